@@ -1,0 +1,44 @@
+"""lsgd_jax: post-local SGD for JAX and optax, with PyTorch's semantics.
+
+Gradients are averaged over every replica until ``start_localSGD_iter``, then only inside
+each node, and models are averaged over all replicas every few steps (Lin et al., "Don't
+Use Large Mini-Batches, Use Local SGD", ICLR 2020).
+"""
+
+from lsgd_jax._averaging import (
+    HierarchicalModelAverager,
+    ModelAveragerState,
+    PeriodicModelAverager,
+    PostLocalSGDOptimizerState,
+    model_averaging,
+    post_local_sgd_optimizer,
+)
+from lsgd_jax._collectives import AxisNotBoundError, IndexGroups
+from lsgd_jax._hook import post_local_sgd, post_localSGD_hook
+from lsgd_jax._mesh import consensus, data_axes, make_mesh, replicate, unreplicate
+from lsgd_jax._report import Collective, CommunicationReport, communication_report
+from lsgd_jax._state import PostLocalSGDState
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AxisNotBoundError",
+    "Collective",
+    "CommunicationReport",
+    "HierarchicalModelAverager",
+    "IndexGroups",
+    "ModelAveragerState",
+    "PeriodicModelAverager",
+    "PostLocalSGDOptimizerState",
+    "PostLocalSGDState",
+    "communication_report",
+    "consensus",
+    "data_axes",
+    "make_mesh",
+    "model_averaging",
+    "post_localSGD_hook",
+    "post_local_sgd",
+    "post_local_sgd_optimizer",
+    "replicate",
+    "unreplicate",
+]

@@ -1,0 +1,267 @@
+"""The one place that means a pytree over mesh axes.
+
+A *group* names the replicas a mean runs over. It is one of:
+
+* ``None``: resolved by the caller to a default (every bound data axis, or ``"local"``);
+* an axis name, or a tuple of axis names, of the enclosing ``jax.shard_map`` mesh or
+  ``jax.pmap``;
+* an :class:`IndexGroups`: a partition of one axis into groups of axis indices, the
+  ``axis_index_groups`` of ``lax.pmean`` (the way to express a subgroup under a single
+  ``pmap`` axis).
+
+This module resolves a group where it runs (turning an unbound axis name into a clear
+error), takes the mean of a pytree over it, and keeps the varying-axes types that
+``shard_map`` checks stable, so that the mean can sit inside ``lax.cond`` and
+``lax.switch`` branches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Union
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+AxisName = Hashable
+Axes = tuple[AxisName, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexGroups:
+    """A subgroup of one mapped axis given by lists of axis indices.
+
+    This is how a node-local group is named under ``jax.pmap``, which has a single axis:
+    ``IndexGroups("batch", ((0, 1, 2, 3), (4, 5, 6, 7)))`` means over the first four and
+    the last four indices of axis ``"batch"`` separately (``lax.pmean``'s
+    ``axis_index_groups``). Under ``jax.shard_map`` it needs ``check_vma=False``; there,
+    prefer naming a mesh axis.
+
+    Attributes:
+      axis_name: the mapped axis the indices refer to.
+      groups: a partition of ``range(axis_size)`` into groups of equal size.
+
+    Example:
+      >>> import lsgd_jax
+      >>> g = lsgd_jax.IndexGroups("batch", [[0, 1], [2, 3]])
+      >>> g.groups
+      ((0, 1), (2, 3))
+    """
+
+    axis_name: AxisName
+    groups: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        try:
+            groups = tuple(tuple(int(i) for i in g) for g in self.groups)
+        except TypeError as e:
+            raise TypeError(
+                f"IndexGroups.groups must be a sequence of sequences of ints, got "
+                f"{self.groups!r}; e.g. IndexGroups('batch', [[0, 1], [2, 3]])."
+            ) from e
+        object.__setattr__(self, "groups", groups)
+        flat = [i for g in groups for i in g]
+        if not groups or any(not g for g in groups):
+            raise ValueError(f"IndexGroups.groups must hold non-empty groups, got {groups!r}.")
+        if sorted(flat) != list(range(len(flat))):
+            raise ValueError(
+                f"IndexGroups.groups must partition range(n) (every index once), got {groups!r}."
+            )
+        if len({len(g) for g in groups}) != 1:
+            raise ValueError(
+                f"IndexGroups.groups must all have the same size (XLA requires it), got {groups!r}."
+            )
+
+    @property
+    def group_size(self) -> int:
+        """The number of replicas in each group."""
+        return len(self.groups[0])
+
+
+GroupSpec = Union[None, AxisName, Sequence[AxisName], IndexGroups]
+Group = Union[Axes, IndexGroups]
+
+
+def normalize_group(spec: GroupSpec, what: str) -> Group | None:
+    """Turns a user's group spec into ``None``, a tuple of axis names, or IndexGroups."""
+    if spec is None or isinstance(spec, IndexGroups):
+        return spec
+    if isinstance(spec, (tuple, list)):
+        axes = tuple(spec)
+        if not axes:
+            raise ValueError(
+                f"{what} must name at least one mesh axis, got {spec!r}; pass None for "
+                "the default or e.g. ('node', 'local')."
+            )
+        for a in axes:
+            if not isinstance(a, Hashable) or isinstance(a, (tuple, list)):
+                raise TypeError(f"{what}: axis names must be hashable scalars, got {a!r}.")
+        if len(set(axes)) != len(axes):
+            raise ValueError(f"{what} names an axis twice: {spec!r}.")
+        return axes
+    if isinstance(spec, Hashable):
+        return (spec,)
+    raise TypeError(
+        f"{what} must be None, an axis name, a tuple of axis names or an IndexGroups, got {spec!r}."
+    )
+
+
+def group_axes(group: Group) -> frozenset[AxisName]:
+    """The mesh axes a group spans (for IndexGroups, its one axis)."""
+    if isinstance(group, IndexGroups):
+        return frozenset([group.axis_name])
+    return frozenset(group)
+
+
+def group_covers(small: Group, big: Group) -> bool:
+    """Whether every group of ``small`` lies inside one group of ``big`` (nesting)."""
+    if isinstance(big, IndexGroups):
+        if not isinstance(small, IndexGroups) or small.axis_name != big.axis_name:
+            return False
+        owner = {i: k for k, g in enumerate(big.groups) for i in g}
+        owners = [{owner.get(i) for i in g} for g in small.groups]
+        return all(len(o) == 1 and None not in o for o in owners)
+    return group_axes(small) <= set(big)
+
+
+def bound_axes() -> Axes:
+    """The mapped axes (shard_map manual axes, or pmap axes) bound where this runs."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = tuple(getattr(mesh, "manual_axes", ()) or ())
+    if manual:
+        # Keep the mesh's order, which is the row-major replica order.
+        return tuple(a for a in mesh.axis_names if a in manual)
+    from jax._src import core  # pmap and vmap axis names; no public API exposes them
+
+    return tuple(core.unsafe_get_axis_names())
+
+
+class AxisNotBoundError(NameError):
+    """A group names a mesh axis that is not bound where the function runs.
+
+    Raised while tracing, with the missing axis, the bound ones, and the fix.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, lsgd_jax
+      >>> state = lsgd_jax.PostLocalSGDState(None, None, start_localSGD_iter=1)
+      >>> try:
+      ...     jax.jit(lsgd_jax.post_localSGD_hook)(state, jnp.ones(3))
+      ... except lsgd_jax.AxisNotBoundError as e:
+      ...     print(str(e)[:60])
+      post_localSGD_hook: no mapped axis is bound here, so there i
+    """
+
+
+def _check_bound(axes: Axes, what: str) -> None:
+    for a in axes:
+        try:
+            lax.axis_size(a)
+        except NameError:
+            raise AxisNotBoundError(
+                f"{what}: mesh axis {a!r} is not bound here (bound axes: "
+                f"{bound_axes() or 'none'}). Call it inside jax.shard_map or jax.pmap over "
+                f"a mesh that has an axis named {a!r} (e.g. lsgd_jax.make_mesh(), whose axes "
+                f"are ('node', 'local')), or pass the axis names your mesh uses."
+            ) from None
+
+
+def resolve(group: Group | None, default: Callable[[], Group], what: str) -> Group:
+    """Resolves a normalized group where it runs; checks that its axes are bound."""
+    if group is None:
+        group = default()
+    if isinstance(group, IndexGroups):
+        _check_bound((group.axis_name,), what)
+        size = lax.axis_size(group.axis_name)
+        n = sum(len(g) for g in group.groups)
+        if n != size:
+            raise ValueError(
+                f"{what}: {group!r} covers {n} indices but axis {group.axis_name!r} has "
+                f"size {size}; give groups that partition range({size})."
+            )
+    else:
+        _check_bound(group, what)
+    return group
+
+
+def global_axes(what: str) -> Callable[[], Axes]:
+    """The default global group: every bound mapped axis."""
+
+    def default() -> Axes:
+        axes = bound_axes()
+        if not axes:
+            raise AxisNotBoundError(
+                f"{what}: no mapped axis is bound here, so there is no group to average "
+                "over. Call it inside jax.shard_map (over e.g. lsgd_jax.make_mesh()) or "
+                "jax.pmap(..., axis_name=...), or pass the axis names explicitly."
+            )
+        return axes
+
+    return default
+
+
+def group_size(group: Group) -> int:
+    """The number of replicas one group holds (where the group is bound)."""
+    if isinstance(group, IndexGroups):
+        return group.group_size
+    return lax.axis_size(group)
+
+
+def vma(x: Any) -> frozenset[AxisName]:
+    """The mesh axes over which ``x`` is typed as varying (empty outside shard_map)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))  # older JAX
+
+
+def cast_varying(x: jax.Array, axes: frozenset[AxisName]) -> jax.Array:
+    """Types ``x`` as varying over ``axes`` (a no-op for axes it already varies over)."""
+    missing = tuple(a for a in sorted(axes, key=str) if a not in vma(x))
+    if not missing:
+        return x
+    return lax.pcast(x, missing, to="varying")
+
+
+def cast_tree_like(tree: Any, *likes: Any) -> Any:
+    """Casts each leaf of ``tree`` to vary over the union of its peers' varying axes.
+
+    Branches of ``lax.cond``/``lax.switch`` must return identical types; casting every
+    branch's result to the same target makes them agree.
+    """
+
+    def cast(x, *peers):
+        target = vma(x).union(*(vma(p) for p in peers))
+        return cast_varying(x, target)
+
+    return jax.tree.map(cast, tree, *likes)
+
+
+def is_averaged(x: Any) -> bool:
+    """Only floating (and complex) leaves are averaged; integer and bool leaves pass."""
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def mean(tree: Any, group: Group) -> Any:
+    """The mean of every inexact leaf of ``tree`` over ``group``; keeps leaf types.
+
+    All averaged leaves go into one collective (a variadic all-reduce), as PyTorch
+    flattens the parameters into one buffer. Each leaf keeps its dtype and its
+    varying-axes type, so the result can be returned from one branch of a ``lax.cond``
+    whose other branch returns ``tree`` unchanged. Integer and boolean leaves pass.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    picked = [i for i, x in enumerate(leaves) if is_averaged(x)]
+    if not picked:
+        return tree
+    operands = [leaves[i] for i in picked]
+    if isinstance(group, IndexGroups):
+        means = lax.pmean(operands, group.axis_name, axis_index_groups=group.groups)
+    else:
+        means = lax.pmean(operands, group)
+    out = list(leaves)
+    for i, m in zip(picked, means):
+        out[i] = cast_varying(m.astype(jnp.result_type(leaves[i])), vma(leaves[i]))
+    return jax.tree.unflatten(treedef, out)

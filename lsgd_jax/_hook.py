@@ -1,0 +1,145 @@
+"""post_localSGD_hook and the ``post_local_sgd`` optax transformation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from lsgd_jax import _collectives
+from lsgd_jax._collectives import GroupSpec
+from lsgd_jax._state import PostLocalSGDState
+
+DEFAULT_SUBGROUP = ("local",)
+
+
+def _groups(state: PostLocalSGDState) -> tuple[Any, Any]:
+    what = "post_localSGD_hook"
+    global_group = _collectives.resolve(
+        state.process_group, _collectives.global_axes(what), what + " (process_group)"
+    )
+    subgroup = None
+    if state.post_local_gradient_allreduce:
+        subgroup = _collectives.resolve(
+            state.subgroup, lambda: DEFAULT_SUBGROUP, what + " (subgroup)"
+        )
+    return global_group, subgroup
+
+
+def post_localSGD_hook(state: PostLocalSGDState, grads: Any) -> tuple[Any, PostLocalSGDState]:
+    """Averages gradients globally until ``start_localSGD_iter``, then inside the node.
+
+    The JAX form of PyTorch's ``post_localSGD_hook``: while ``state.iter <
+    state.start_localSGD_iter`` it takes the mean of ``grads`` over ``process_group`` and
+    advances ``iter``; from then on the mean over ``subgroup`` (or ``grads`` untouched when
+    ``post_local_gradient_allreduce`` is False), and ``iter`` stays put. The choice is one
+    ``lax.cond`` on the step count, so each step runs exactly one of the collectives, never
+    both. Call it inside ``jax.shard_map`` or ``jax.pmap``, where the axes are bound.
+
+    Only floating-point leaves are averaged; each leaf keeps its dtype and its
+    varying-axes type, so the result can be carried through ``lax.scan``.
+
+    Args:
+      state: a PostLocalSGDState. Its ``iter`` must be the same on every replica (it is,
+        when it starts equal and only this function advances it).
+      grads: any pytree of gradients (this replica's).
+
+    Returns:
+      ``(grads, new_state)``: the averaged gradients and the next state.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, lsgd_jax
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = lsgd_jax.make_mesh(num_nodes=2, devices_per_node=2)
+      >>> state = lsgd_jax.PostLocalSGDState(None, "local", start_localSGD_iter=1)
+      >>> def step(state, g):
+      ...     g, state = lsgd_jax.post_localSGD_hook(state, g)
+      ...     return state, g
+      >>> f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(("node", "local"))),
+      ...                           out_specs=(P(), P(("node", "local")))))
+      >>> g = jnp.arange(4.0)
+      >>> state, out = f(state, g)   # before the switch: the mean over all 4
+      >>> out
+      Array([1.5, 1.5, 1.5, 1.5], dtype=float32)
+      >>> state, out = f(state, g)   # after: the mean inside each node of 2
+      >>> out
+      Array([0.5, 0.5, 2.5, 2.5], dtype=float32)
+    """
+    if not isinstance(state, PostLocalSGDState):
+        raise TypeError(
+            f"post_localSGD_hook expects a PostLocalSGDState as its first argument, got "
+            f"{type(state).__name__}; create one with lsgd_jax.PostLocalSGDState(...)."
+        )
+    global_group, subgroup = _groups(state)
+
+    def global_step(grads, state):
+        return _collectives.mean(grads, global_group), state.maybe_increase_iter()
+
+    def local_step(grads, state):
+        if subgroup is None:
+            return grads, state
+        return _collectives.mean(grads, subgroup), state
+
+    if state.start_localSGD_iter == 0:  # static: local from the first step, no cond
+        return local_step(grads, state)
+    return lax.cond(state.iter < state.start_localSGD_iter, global_step, local_step, grads, state)
+
+
+def post_local_sgd(
+    start_localSGD_iter: int,
+    *,
+    process_group: GroupSpec = None,
+    subgroup: GroupSpec = None,
+    post_local_gradient_allreduce: bool = True,
+) -> optax.GradientTransformationExtraArgs:
+    """Post-local SGD gradient averaging as an optax transformation.
+
+    Put it first in ``optax.chain``: it replaces each replica's gradients by their mean
+    over all replicas for the first ``start_localSGD_iter`` steps, then by their mean
+    inside the node (see :func:`post_localSGD_hook`). Its state is a
+    :class:`PostLocalSGDState`. Pair it with :func:`model_averaging` (last in the chain),
+    with ``warmup_steps == start_localSGD_iter``, so that models are averaged over all
+    replicas every few steps once local SGD starts.
+
+    With ``optax.MultiSteps(chain)``, the hook runs (and communicates) on every
+    mini-step, but its count advances once per emitted update, so ``start_localSGD_iter``
+    counts optimizer updates, not mini-batches.
+
+    Args:
+      start_localSGD_iter: steps of global averaging before local SGD starts (>= 0).
+      process_group: the global group's axes; None: every mapped axis bound where it runs.
+      subgroup: one node's axes; None: ``"local"``. An IndexGroups under ``jax.pmap``.
+      post_local_gradient_allreduce: if False, gradients are not averaged at all after the
+        switch (pure local SGD between model averages).
+
+    Returns:
+      An optax.GradientTransformationExtraArgs.
+
+    Example:
+      >>> import optax, lsgd_jax
+      >>> tx = optax.chain(
+      ...     lsgd_jax.post_local_sgd(start_localSGD_iter=100),
+      ...     optax.sgd(0.1, momentum=0.9),
+      ...     lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(8, warmup_steps=100)),
+      ... )
+
+    References:
+      Lin, Stich, Patel, Jaggi, `Don't Use Large Mini-Batches, Use Local SGD
+      <https://arxiv.org/abs/1808.07217>`_, ICLR 2020.
+    """
+    # Validate eagerly (the state constructor checks and logs once, here).
+    template = PostLocalSGDState(
+        process_group, subgroup, start_localSGD_iter, post_local_gradient_allreduce
+    )
+
+    def init_fn(params: optax.Params) -> PostLocalSGDState:
+        del params
+        return template.replace(iter=jnp.zeros([], jnp.int32))
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        return post_localSGD_hook(state, updates)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,183 @@
+"""Meshes for post-local SGD: one row of devices per node."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+NODE_AXIS = "node"
+LOCAL_AXIS = "local"
+
+
+def make_mesh(
+    num_nodes: int | None = None,
+    devices_per_node: int | None = None,
+    *,
+    devices: Sequence[Any] | None = None,
+    axis_types: Any = None,
+) -> Mesh:
+    """A data-parallel mesh with axes ``("node", "local")``, one node per row.
+
+    ``"local"`` spans the devices of one node, contiguous; ``"node"`` spans the nodes.
+    The global group of post-local SGD is both axes, the subgroup ``"local"``. Replica
+    ``r`` (PyTorch's rank ``r``) is the device at row-major position ``r``.
+
+    Devices are ordered by ``(process_index, id)``, so on a multi-process run each
+    process's devices form its own row by default (one process = one node).
+
+    Args:
+      num_nodes: rows of the mesh; default ``jax.process_count()``, or, when only
+        ``devices_per_node`` is given, ``len(devices) // devices_per_node``.
+      devices_per_node: columns; default ``len(devices) // num_nodes``
+        (``jax.local_device_count()`` when both are defaulted).
+      devices: the devices to use (default ``jax.devices()``); the first
+        ``num_nodes * devices_per_node`` in ``(process_index, id)`` order are taken.
+      axis_types: passed to ``jax.sharding.Mesh`` (default: JAX's default, Explicit).
+
+    Returns:
+      A ``jax.sharding.Mesh`` of shape ``(num_nodes, devices_per_node)``.
+
+    Example:
+      >>> import lsgd_jax
+      >>> mesh = lsgd_jax.make_mesh(num_nodes=2, devices_per_node=4)
+      >>> dict(mesh.shape)
+      {'node': 2, 'local': 4}
+    """
+    devs = sorted(
+        devices if devices is not None else jax.devices(), key=lambda d: (d.process_index, d.id)
+    )
+    for name, v in (("num_nodes", num_nodes), ("devices_per_node", devices_per_node)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"make_mesh: {name} must be a positive int, got {v!r}.")
+    if num_nodes is None and devices_per_node is None:
+        num_nodes = jax.process_count() if devices is None else 1
+    if num_nodes is None:
+        num_nodes = len(devs) // devices_per_node
+    if devices_per_node is None:
+        devices_per_node = len(devs) // num_nodes
+    n = num_nodes * devices_per_node
+    if n == 0 or n > len(devs):
+        raise ValueError(
+            f"make_mesh: num_nodes={num_nodes} x devices_per_node={devices_per_node} needs "
+            f"{n} devices, but {len(devs)} are available; ask for fewer, or start JAX with "
+            "more (e.g. jax.config.update('jax_num_cpu_devices', 8) before first use)."
+        )
+    grid = np.array(devs[:n], dtype=object).reshape(num_nodes, devices_per_node)
+    if jax.process_count() > 1:
+        for row in grid:
+            procs = {d.process_index for d in row}
+            if len(procs) > 1:
+                raise ValueError(
+                    f"make_mesh: node row {list(row)} spans processes {sorted(procs)}; with "
+                    "several processes, devices_per_node must divide each process's device "
+                    f"count ({jax.local_device_count()} here)."
+                )
+    kwargs = {} if axis_types is None else {"axis_types": axis_types}
+    return Mesh(grid, (NODE_AXIS, LOCAL_AXIS), **kwargs)
+
+
+def data_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The data-parallel axes of ``mesh``: ``("node", "local")`` where present, else all.
+
+    Args:
+      mesh: a ``jax.sharding.Mesh``.
+
+    Returns:
+      The tuple of axis names that index replicas.
+
+    Example:
+      >>> import lsgd_jax
+      >>> lsgd_jax.data_axes(lsgd_jax.make_mesh(2, 4))
+      ('node', 'local')
+    """
+    named = tuple(a for a in mesh.axis_names if a in (NODE_AXIS, LOCAL_AXIS))
+    return named or tuple(mesh.axis_names)
+
+
+def _num_replicas(mesh: Mesh, axes: tuple[str, ...]) -> int:
+    return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+def replicate(tree: Any, mesh: Mesh, axes: Sequence[str] | None = None) -> Any:
+    """One copy of ``tree`` per data-parallel replica, sharded over the data axes.
+
+    Each leaf gets a leading replica axis of size ``prod(mesh.shape[a] for a in axes)``,
+    sharded over ``axes``, so that every device holds its own copy: what local SGD needs,
+    since replicas diverge between averages. Inside ``jax.shard_map`` with
+    ``in_specs=P(axes)`` each device sees a leading axis of size 1 (take ``x[0]``).
+
+    Args:
+      tree: a pytree of arrays (the same on every process).
+      mesh: the mesh, e.g. from :func:`make_mesh`.
+      axes: the data axes; default :func:`data_axes` of ``mesh``.
+
+    Returns:
+      The pytree with replicated, sharded leaves.
+
+    Example:
+      >>> import jax.numpy as jnp, lsgd_jax
+      >>> mesh = lsgd_jax.make_mesh(2, 4)
+      >>> lsgd_jax.replicate({"w": jnp.ones(3)}, mesh)["w"].shape
+      (8, 3)
+    """
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    axes = tuple(axes) if axes is not None else data_axes(mesh)
+    sharding = NamedSharding(mesh, PartitionSpec(axes))
+    n = _num_replicas(mesh, axes)
+
+    def one(x):
+        host = np.asarray(x)[None]
+        return jax.make_array_from_callback((n, *host.shape[1:]), sharding, lambda _: host)
+
+    return jax.tree.map(one, tree)
+
+
+def unreplicate(tree: Any) -> Any:
+    """Replica 0's copy of a replicated pytree (drops the leading replica axis).
+
+    Args:
+      tree: a pytree as made by :func:`replicate` (leading replica axis).
+
+    Returns:
+      The pytree of replica 0.
+
+    Example:
+      >>> import jax.numpy as jnp, lsgd_jax
+      >>> mesh = lsgd_jax.make_mesh(2, 4)
+      >>> lsgd_jax.unreplicate(lsgd_jax.replicate(jnp.arange(3.0), mesh))
+      Array([0., 1., 2.], dtype=float32)
+    """
+    return jax.tree.map(lambda x: x[0], tree)
+
+
+def consensus(tree: Any) -> Any:
+    """The mean over replicas of a replicated pytree: the model to evaluate or export.
+
+    Floating leaves are averaged over the leading replica axis (accumulated in at least
+    float32); other leaves are taken from replica 0.
+
+    Args:
+      tree: a pytree with a leading replica axis.
+
+    Returns:
+      The pytree without the replica axis.
+
+    Example:
+      >>> import jax.numpy as jnp, lsgd_jax
+      >>> lsgd_jax.consensus({"w": jnp.array([[1.0, 2.0], [3.0, 4.0]])})
+      {'w': Array([2., 3.], dtype=float32)}
+    """
+    import jax.numpy as jnp
+
+    def one(x):
+        if not jnp.issubdtype(x.dtype, jnp.inexact):
+            return x[0]
+        acc = jnp.promote_types(x.dtype, jnp.float32)
+        return jnp.mean(x.astype(acc), axis=0).astype(x.dtype)
+
+    return jax.tree.map(one, tree)

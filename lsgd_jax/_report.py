@@ -1,0 +1,354 @@
+"""communication_report: what a compiled step communicates, read off its HLO."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+_KINDS = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "collective-permute",
+    "all-to-all",
+    "collective-broadcast",
+    "ragged-all-to-all",
+)
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s2": 1,
+    "u2": 1,
+    "s4": 1,
+    "u4": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
+_COMP_START = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s+->\s+.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s+=\s+(.*)$")
+_SHAPE = re.compile(r"([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
+_CALLEES = re.compile(
+    r"\b(to_apply|calls|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
+)
+_BRANCHES = re.compile(r"\b(branch_computations|called_computations)=\{([^}]*)\}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective operation of a compiled program.
+
+    Attributes:
+      kind: the HLO collective, e.g. ``"all-reduce"`` (async ``-start`` forms folded in).
+      group_size: replicas in each of its groups.
+      num_groups: how many groups run it side by side.
+      axes: the mesh axes whose replicas form the groups, when a mesh is known and they
+        match one; else None.
+      bytes: bytes each device sends into it (its operands).
+      conditional: True when it sits inside a ``conditional`` branch (runs only on the
+        steps that take that branch); False when it runs on every call.
+      name: the instruction's name in the HLO.
+      computation: the HLO computation that holds it.
+      op_name: the JAX-level name from the instruction's metadata.
+      replica_groups: the groups, as tuples of device positions in the mesh.
+    """
+
+    kind: str
+    group_size: int
+    num_groups: int
+    axes: tuple[str, ...] | None
+    bytes: int
+    conditional: bool
+    name: str
+    computation: str
+    op_name: str
+    replica_groups: tuple[tuple[int, ...], ...]
+
+
+class CommunicationReport(tuple):
+    """The collectives of one compiled program: a tuple of :class:`Collective`.
+
+    ``str(report)`` is a readable table; ``report.where(...)`` filters it.
+
+    Example:
+      >>> from lsgd_jax import Collective, CommunicationReport
+      >>> c = Collective("all-reduce", 8, 1, ("node", "local"), 4096, True, "ar", "f", "", ())
+      >>> print(CommunicationReport([c]))
+      kind        axes        group  groups  bytes  conditional  op
+      ----------  ----------  -----  ------  -----  -----------  --
+      all-reduce  node,local  8      1       4,096  yes
+    """
+
+    def __str__(self) -> str:
+        head = ("kind", "axes", "group", "groups", "bytes", "conditional", "op")
+        rows = [head] + [
+            (
+                c.kind,
+                ",".join(c.axes) if c.axes is not None else "?",
+                str(c.group_size),
+                str(c.num_groups),
+                f"{c.bytes:,}",
+                "yes" if c.conditional else "no",
+                c.op_name[-48:],
+            )
+            for c in self
+        ]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+    def where(self, **fields: Any) -> CommunicationReport:
+        """The collectives whose fields equal the given values, e.g. ``axes=("local",)``.
+
+        Args:
+          **fields: Collective field names and values to match.
+
+        Returns:
+          A CommunicationReport.
+
+        Example:
+          >>> from lsgd_jax._report import Collective, CommunicationReport
+          >>> c = Collective("all-reduce", 2, 1, ("local",), 8, True, "ar", "f", "", ((0, 1),))
+          >>> len(CommunicationReport([c]).where(conditional=False))
+          0
+        """
+
+        def keep(c: Collective) -> bool:
+            return all(getattr(c, k) == v for k, v in fields.items())
+
+        return CommunicationReport(c for c in self if keep(c))
+
+
+def _type_bytes(type_str: str) -> int:
+    total = 0
+    for dtype, dims in _SHAPE.findall(type_str):
+        size = _DTYPE_BYTES.get(dtype, 1 if dtype.startswith("f8") else None)
+        if size is None:
+            continue
+        total += size * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+    return total
+
+
+def _split_type(rhs: str) -> tuple[str, str]:
+    """Splits ``'(f32[3], s32[]) all-reduce(...), ...'`` into the type and the rest."""
+    if rhs.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rhs):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                return rhs[: i + 1], rhs[i + 1 :].lstrip()
+    head, _, rest = rhs.partition(" ")
+    return head, rest
+
+
+def _replica_groups(attrs: str, num_devices: int) -> tuple[tuple[int, ...], ...]:
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
+    if m:
+        shape = [int(v) for v in m.group(1).split(",")]
+        dims = [int(v) for v in m.group(2).split(",")]
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        if m.group(3):
+            ids = ids.transpose([int(v) for v in m.group(3).split(",")])
+        return tuple(tuple(int(i) for i in g) for g in ids.reshape(shape))
+    m = re.search(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}", attrs)
+    if m and m.group(1).strip():
+        return tuple(
+            tuple(int(i) for i in g.split(",") if i.strip())
+            for g in re.findall(r"\{([\d,\s]*)\}", m.group(1))
+        )
+    m = re.search(r"source_target_pairs=\{((?:\{[\d,\s]*\},?\s*)*)\}", attrs)
+    if m:
+        return tuple(
+            tuple(int(i) for i in g.split(",")) for g in re.findall(r"\{([\d,\s]*)\}", m.group(1))
+        )
+    return (tuple(range(num_devices)),)
+
+
+def _axes_of(groups: Sequence[Sequence[int]], mesh: Any) -> tuple[str, ...] | None:
+    if mesh is None:
+        return None
+    names = tuple(mesh.axis_names)
+    shape = tuple(mesh.devices.shape)
+    coords = np.array(list(np.ndindex(*shape)))
+    if sum(len(g) for g in groups) != len(coords):
+        return None
+    want = {frozenset(g) for g in groups}
+    for r in range(1, len(names) + 1):
+        for subset in itertools.combinations(range(len(names)), r):
+            others = [i for i in range(len(names)) if i not in subset]
+            parts: dict[tuple[int, ...], set[int]] = {}
+            for pos, c in enumerate(coords):
+                parts.setdefault(tuple(c[others]), set()).add(pos)
+            if {frozenset(p) for p in parts.values()} == want:
+                return tuple(names[i] for i in subset)
+    return None
+
+
+def parse_hlo(text: str, mesh: Any = None, num_devices: int | None = None) -> CommunicationReport:
+    """Lists the collectives of an HLO module's text (``compiled.as_text()``).
+
+    Args:
+      text: the HLO text of a compiled program.
+      mesh: the mesh its device positions refer to, to name the axes of each group.
+      num_devices: devices in the program (for groups written as ``{}``); default the
+        mesh's size, or 1.
+
+    Returns:
+      A CommunicationReport.
+
+    Example:
+      >>> hlo = '''ENTRY %main (p: f32[4]) -> f32[4] {
+      ...   %ar = f32[4]{0} all-reduce(%p), replica_groups={{0,1}}, to_apply=%add
+      ... }'''
+      >>> [(c.kind, c.bytes, c.conditional) for c in parse_hlo(hlo)]
+      [('all-reduce', 16, False)]
+    """
+    if num_devices is None:
+        num_devices = int(mesh.devices.size) if mesh is not None else 1
+    comps: dict[str, list[str]] = {}
+    entry = None
+    current = None
+    for line in text.splitlines():
+        m = _COMP_START.match(line)
+        if m:
+            current = m.group(2)
+            comps[current] = []
+            if m.group(1):
+                entry = current
+            continue
+        if line.startswith("}"):
+            current = None
+            continue
+        if current is not None:
+            comps[current].append(line)
+    if entry is None:
+        raise ValueError("parse_hlo: no ENTRY computation found in the HLO text.")
+
+    # Call graph: (callee, through_conditional_branch).
+    edges: dict[str, list[tuple[str, bool]]] = {c: [] for c in comps}
+    for comp, lines in comps.items():
+        for line in lines:
+            is_cond = " conditional(" in line
+            for key, callee in _CALLEES.findall(line):
+                edges[comp].append((callee, key in ("true_computation", "false_computation")))
+            for _, callees in _BRANCHES.findall(line):
+                for callee in re.findall(r"%?([\w.\-]+)", callees):
+                    edges[comp].append((callee, is_cond))
+    reached_plain: set[str] = set()
+    reached_any: set[str] = set()
+    stack = [(entry, False)]
+    while stack:
+        comp, cond = stack.pop()
+        seen = reached_any if cond else reached_plain
+        if comp in seen or comp not in comps:
+            continue
+        seen.add(comp)
+        reached_any.add(comp)
+        for callee, through in edges[comp]:
+            stack.append((callee, cond or through))
+
+    out = []
+    for comp, lines in comps.items():
+        if comp not in reached_any:
+            continue
+        for line in lines:
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            type_str, rest = _split_type(m.group(2))
+            opcode = rest.split("(", 1)[0].strip()
+            kind = opcode.removesuffix("-start")
+            if kind not in _KINDS or opcode.endswith("-done"):
+                continue
+            groups = _replica_groups(rest, num_devices)
+            size = max(len(g) for g in groups)
+            nbytes = _type_bytes(type_str)
+            if opcode.endswith("-start") and type_str.startswith("(") and kind != "all-reduce":
+                nbytes //= 2  # async start returns (operands, results); count the operands
+            if kind == "all-gather":
+                nbytes //= size
+            elif kind == "reduce-scatter":
+                nbytes *= size
+            op = re.search(r'op_name="([^"]*)"', rest)
+            out.append(
+                Collective(
+                    kind=kind,
+                    group_size=2 if kind == "collective-permute" else size,
+                    num_groups=len(groups),
+                    axes=None if kind == "collective-permute" else _axes_of(groups, mesh),
+                    bytes=nbytes,
+                    conditional=comp not in reached_plain,
+                    name=m.group(1),
+                    computation=comp,
+                    op_name=op.group(1) if op else "",
+                    replica_groups=groups,
+                )
+            )
+    return CommunicationReport(out)
+
+
+def _find_mesh(args: Iterable[Any]) -> Any:
+    import jax
+
+    for leaf in jax.tree.leaves(list(args)):
+        mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
+        if mesh is not None and hasattr(mesh, "devices"):
+            return mesh
+    return None
+
+
+def communication_report(
+    jitted_step: Any, *args: Any, mesh: Any = None, **kwargs: Any
+) -> CommunicationReport:
+    """What a jitted step communicates: one record per collective of its compiled HLO.
+
+    Compiles ``jitted_step`` for ``args`` (nothing runs) and lists every collective
+    with its kind, group size, the mesh axes of its groups, the bytes each device sends
+    into it, and whether it is ``conditional`` (inside a ``lax.cond``/``lax.switch``
+    branch, so it runs only on some steps) or runs on every call.
+
+    Args:
+      jitted_step: a ``jax.jit``-wrapped function, or an already compiled
+        ``jax.stages.Compiled``.
+      *args: example arguments (arrays or ``jax.ShapeDtypeStruct`` with shardings).
+      mesh: the mesh whose axes name the groups; default the mesh of the first argument
+        with a ``NamedSharding``.
+      **kwargs: keyword arguments of ``jitted_step``.
+
+    Returns:
+      A CommunicationReport (a tuple of Collective); print it for a table.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, lsgd_jax
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = lsgd_jax.make_mesh(2, 4)
+      >>> f = jax.jit(jax.shard_map(lambda x: jax.lax.pmean(x, "local"), mesh=mesh,
+      ...     in_specs=P(("node", "local")), out_specs=P(("node", "local"))))
+      >>> x = jax.device_put(jnp.ones(8), NamedSharding(mesh, P(("node", "local"))))
+      >>> [(c.kind, c.axes, c.bytes, c.conditional) for c in lsgd_jax.communication_report(f, x)]
+      [('all-reduce', ('local',), 4, False)]
+    """
+    if hasattr(jitted_step, "as_text") and not hasattr(jitted_step, "lower"):
+        compiled = jitted_step
+    else:
+        compiled = jitted_step.lower(*args, **kwargs).compile()
+    if mesh is None:
+        mesh = _find_mesh(list(args) + list(kwargs.values()))
+    return parse_hlo(compiled.as_text(), mesh=mesh)

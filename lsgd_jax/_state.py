@@ -1,0 +1,168 @@
+"""PostLocalSGDState: the step count of the post-local SGD hook, and its logging rule."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from lsgd_jax import _collectives
+from lsgd_jax._collectives import GroupSpec
+
+logger = logging.getLogger("lsgd_jax")
+
+_META = ("process_group", "subgroup", "start_localSGD_iter", "post_local_gradient_allreduce")
+
+
+def check_nonnegative_int(value: Any, name: str) -> int:
+    """Returns ``value`` as an int; raises if it is not a non-negative integer."""
+    if isinstance(value, bool) or not isinstance(value, (int, jnp.integer)):
+        raise TypeError(f"{name} must be a Python int, got {value!r} ({type(value).__name__}).")
+    if value < 0:
+        raise ValueError(f"{name} must be a non-negative number, got {value}; use 0 or more.")
+    return int(value)
+
+
+def _log_start(iteration: Any) -> None:
+    logger.info("Start to apply local SGD after %s iterations.", int(iteration))
+
+
+@jax.tree_util.register_pytree_node_class
+class PostLocalSGDState:
+    """The state of :func:`post_localSGD_hook`: a step count and where to average.
+
+    An immutable pytree. Its only array leaf is ``iter`` (an int32 scalar, 0 at
+    construction), which counts the steps that averaged gradients globally; it stops
+    growing at ``start_localSGD_iter``, as in PyTorch. Everything else is static metadata,
+    so the state can be a ``jax.jit`` argument, an optax state and a ``lax.scan`` carry.
+
+    Construction logs ``"Local SGD will be started after N iterations"`` through the
+    ``logging`` logger ``"lsgd_jax"``.
+
+    Attributes:
+      process_group: the mesh axes of the global group, as a tuple, or an IndexGroups;
+        ``None`` means every mapped axis bound where the hook runs (every manual axis of
+        the enclosing ``jax.shard_map``, or the ``jax.pmap`` axis).
+      subgroup: the axes of one node's group; ``None`` means ``("local",)``, the
+        intra-node axis of :func:`make_mesh`. Under ``jax.pmap`` pass an IndexGroups.
+      start_localSGD_iter: the number of globally averaged steps before local SGD starts.
+      post_local_gradient_allreduce: whether gradients are still averaged inside the
+        subgroup after the switch (``False``: they are left untouched).
+      iter: int32 scalar array, the step count.
+
+    Example:
+      >>> import lsgd_jax
+      >>> state = lsgd_jax.PostLocalSGDState(None, "local", start_localSGD_iter=2)
+      >>> int(state.iter), state.subgroup
+      (0, ('local',))
+      >>> int(state.maybe_increase_iter().maybe_increase_iter().iter)
+      2
+    """
+
+    __slots__ = ("iter", *_META)
+
+    def __init__(
+        self,
+        process_group: GroupSpec,
+        subgroup: GroupSpec,
+        start_localSGD_iter: int,
+        post_local_gradient_allreduce: bool = True,
+    ) -> None:
+        start = check_nonnegative_int(start_localSGD_iter, "start_localSGD_iter")
+        if not isinstance(post_local_gradient_allreduce, bool):
+            raise TypeError(
+                "post_local_gradient_allreduce must be True or False, got "
+                f"{post_local_gradient_allreduce!r}."
+            )
+        self._set(
+            jnp.zeros([], jnp.int32),
+            _collectives.normalize_group(process_group, "process_group"),
+            _collectives.normalize_group(subgroup, "subgroup"),
+            start,
+            post_local_gradient_allreduce,
+        )
+        logger.info("Local SGD will be started after %s iterations", start)
+
+    def _set(self, iter_, *meta: Any) -> None:
+        object.__setattr__(self, "iter", iter_)
+        for name, value in zip(_META, meta):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(
+            f"PostLocalSGDState is immutable; use state.replace({name}=...) for a new one."
+        )
+
+    # Pytree protocol: unflattening (and replace) bypasses __init__, so it never logs.
+    def tree_flatten(self):
+        return (self.iter,), tuple(getattr(self, n) for n in _META)
+
+    @classmethod
+    def tree_unflatten(cls, meta, children):
+        obj = object.__new__(cls)
+        obj._set(children[0], *meta)
+        return obj
+
+    def replace(self, **changes: Any) -> PostLocalSGDState:
+        """Returns a copy with the given fields replaced (no logging, no validation).
+
+        Args:
+          **changes: new values by field name, e.g. ``iter=jnp.int32(5)``.
+
+        Returns:
+          A new PostLocalSGDState.
+
+        Example:
+          >>> import jax.numpy as jnp, lsgd_jax
+          >>> s = lsgd_jax.PostLocalSGDState(None, None, 4).replace(iter=jnp.int32(3))
+          >>> int(s.iter)
+          3
+        """
+        unknown = set(changes) - {"iter", *_META}
+        if unknown:
+            raise TypeError(f"PostLocalSGDState has no field(s) {sorted(unknown)}.")
+        obj = object.__new__(type(self))
+        obj._set(*(changes.get(n, getattr(self, n)) for n in ("iter", *_META)))
+        return obj
+
+    @property
+    def local_sgd_started(self) -> jax.Array:
+        """Boolean scalar: whether the hook now averages only inside the subgroup."""
+        return self.iter >= self.start_localSGD_iter
+
+    def maybe_increase_iter(self) -> PostLocalSGDState:
+        """Returns the state after one more globally averaged step.
+
+        ``iter`` grows by one (saturating, never wrapping). When it reaches
+        ``start_localSGD_iter`` this logs, once, ``"Start to apply local SGD after N
+        iterations."`` through the ``"lsgd_jax"`` logger. Under ``jax.jit`` the message
+        comes from a ``jax.debug.callback`` on the first replica only, in a ``lax.cond``
+        that holds no collective.
+
+        Returns:
+          A new PostLocalSGDState.
+
+        Example:
+          >>> import lsgd_jax
+          >>> s = lsgd_jax.PostLocalSGDState(None, None, 1).maybe_increase_iter()
+          >>> int(s.iter)
+          1
+        """
+        new_iter = optax.safe_increment(self.iter)
+        reached = new_iter == self.start_localSGD_iter
+        if isinstance(reached, jax.core.Tracer):
+            axes = _collectives.bound_axes()
+            if axes:
+                reached = reached & (lax.axis_index(axes) == 0)
+            lax.cond(reached, lambda: jax.debug.callback(_log_start, new_iter), lambda: None)
+        elif bool(reached):
+            _log_start(new_iter)
+        return self.replace(iter=new_iter)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in _META)
+        return f"PostLocalSGDState(iter={self.iter!r}, {fields})"

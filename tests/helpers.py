@@ -1,0 +1,71 @@
+"""Shared test helpers: meshes, shard_map wrappers, and a plain-Python schedule model."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import lsgd_jax
+
+DATA = P(("node", "local"))
+
+
+def smap(fn, mesh, in_specs, out_specs, check_vma=True):
+    """jit(shard_map(fn)) over ``mesh``."""
+    return jax.jit(
+        jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
+    )
+
+
+def put(tree, mesh, spec):
+    return jax.device_put(tree, NamedSharding(mesh, spec))
+
+
+def squeeze(tree):
+    return jax.tree.map(lambda x: x[0], tree)
+
+
+def unsqueeze(tree):
+    return jax.tree.map(lambda x: x[None], tree)
+
+
+def rank_values(n, shape=(5,), dtype=jnp.float32):
+    """Replica r holds ``r * ones(shape)``: PyTorch's test tensors."""
+    return jnp.arange(n, dtype=dtype).reshape((n,) + (1,) * len(shape)) * jnp.ones(shape, dtype)
+
+
+def torch_periodic_level(step, period, warmup):
+    """PyTorch's PeriodicModelAverager rule, in plain Python."""
+    return int(step >= warmup and (step - warmup) % period == 0)
+
+
+def torch_hierarchical_level(step, periods, warmup):
+    """PyTorch's HierarchicalModelAverager rule, in plain Python (1-based level or 0)."""
+    if step < warmup:
+        return 0
+    for k in reversed(range(len(periods))):
+        if step % periods[k] == 0:
+            return k + 1
+    return 0
+
+
+def group_means(values: np.ndarray, group_size: int) -> np.ndarray:
+    """Mean over consecutive blocks of ``group_size`` replicas (PyTorch's subgroups)."""
+    v = np.asarray(values, np.float64)
+    blocks = v.reshape((-1, group_size) + v.shape[1:]).mean(axis=1, keepdims=True)
+    return np.broadcast_to(blocks, (v.shape[0] // group_size, group_size) + v.shape[1:]).reshape(
+        v.shape
+    )
+
+
+def mesh_2x4():
+    return lsgd_jax.make_mesh(num_nodes=2, devices_per_node=4)
+
+
+def types_of(tree):
+    """(treedef, leaf types): shapes, dtypes, weak types and varying axes."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, [jax.typeof(x) for x in leaves]

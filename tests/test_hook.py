@@ -1,0 +1,250 @@
+"""post_localSGD_hook and PostLocalSGDState: PyTorch's rules, types, logging, errors."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import (
+    DATA,
+    group_means,
+    mesh_2x4,
+    put,
+    rank_values,
+    smap,
+    squeeze,
+    types_of,
+    unsqueeze,
+)
+from jax.sharding import PartitionSpec as P
+
+import lsgd_jax
+
+
+def hook_fn(state, mesh, per_replica_state):
+    """A jitted ``(state, grads) -> (state, grads)`` over per-replica grads."""
+    if per_replica_state:
+
+        def body(state, grads):
+            g, s = lsgd_jax.post_localSGD_hook(squeeze(state), squeeze(grads))
+            return unsqueeze(s), unsqueeze(g)
+
+        return smap(body, mesh, (DATA, DATA), (DATA, DATA))
+
+    def body(state, grads):
+        g, s = lsgd_jax.post_localSGD_hook(state, squeeze(grads))
+        return s, unsqueeze(g)
+
+    return smap(body, mesh, (P(), DATA), (P(), DATA))
+
+
+def place_state(state, mesh, per_replica_state):
+    if per_replica_state:
+        return put(jax.tree.map(lambda x: jnp.broadcast_to(x, (8,)), state), mesh, DATA)
+    return put(state, mesh, P())
+
+
+@pytest.mark.parametrize("per_replica_state", [False, True])
+@pytest.mark.parametrize("post_local_gradient_allreduce", [True, False])
+def test_global_then_local_means(per_replica_state, post_local_gradient_allreduce):
+    mesh = mesh_2x4()
+    start = 3
+    state = lsgd_jax.PostLocalSGDState(
+        None, None, start, post_local_gradient_allreduce=post_local_gradient_allreduce
+    )
+    f = hook_fn(state, mesh, per_replica_state)
+    state = place_state(state, mesh, per_replica_state)
+    key = jax.random.key(1)
+    for step in range(7):
+        grads = jax.random.normal(jax.random.fold_in(key, step), (8, 4, 3))
+        state, out = f(state, put(grads, mesh, DATA))
+        g = np.asarray(grads, np.float64)
+        if step < start:
+            want = group_means(g, 8)
+        elif post_local_gradient_allreduce:
+            want = group_means(g, 4)
+        else:
+            want = g
+        np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)
+        if not post_local_gradient_allreduce and step >= start:
+            np.testing.assert_array_equal(out, grads)  # untouched, bit for bit
+        assert np.all(np.asarray(state.iter) == min(step + 1, start))  # stops at the start
+
+
+def test_start_zero_is_local_from_the_first_step_and_never_counts():
+    mesh = mesh_2x4()
+    state = lsgd_jax.PostLocalSGDState(None, "local", 0)
+    f = hook_fn(state, mesh, False)
+    state = put(state, mesh, P())
+    for _ in range(3):
+        state, out = f(state, put(rank_values(8), mesh, DATA))
+        np.testing.assert_allclose(out, group_means(np.asarray(rank_values(8)), 4))
+    assert int(state.iter) == 0
+
+
+def test_explicit_groups_and_every_leaf_kind():
+    mesh = mesh_2x4()
+    state = lsgd_jax.PostLocalSGDState(("local", "node"), ("local",), 1)
+    f = hook_fn(state, mesh, False)
+    grads = {
+        "a": rank_values(8, (2,)),
+        "b": [rank_values(8, (3, 1), jnp.bfloat16)],
+        "n": jnp.arange(8, dtype=jnp.int32),  # not averaged
+    }
+    state, out = f(put(state, mesh, P()), put(grads, mesh, DATA))
+    np.testing.assert_array_equal(out["a"], np.full((8, 2), 3.5))
+    assert out["b"][0].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(out["b"][0].astype(jnp.float32), np.full((8, 3, 1), 3.5))
+    np.testing.assert_array_equal(out["n"], np.arange(8))
+
+
+def test_types_are_stable_and_the_hook_scans():
+    mesh = mesh_2x4()
+    state0 = lsgd_jax.PostLocalSGDState(None, None, 4)
+
+    def body(state, grads):
+        grads = squeeze(grads)
+        before = types_of((grads, state))
+        g, s = lsgd_jax.post_localSGD_hook(state, grads)
+        assert types_of((g, s)) == before
+
+        def scan_step(s, g):
+            g, s = lsgd_jax.post_localSGD_hook(s, g)
+            return s, g
+
+        s, gs = jax.lax.scan(scan_step, s, jnp.stack([g] * 6))
+        return s, gs[None]
+
+    f = smap(body, mesh, (P(), DATA), (P(), DATA))
+    state, outs = f(put(state0, mesh, P()), put(rank_values(8), mesh, DATA))
+    assert int(state.iter) == 4
+    assert state.iter.dtype == jnp.int32 and state.iter.shape == ()
+
+
+def test_state_is_an_immutable_pytree_with_one_int32_leaf():
+    state = lsgd_jax.PostLocalSGDState(("node", "local"), "local", 5, False)
+    leaves, treedef = jax.tree.flatten(state)
+    assert len(leaves) == 1 and leaves[0].dtype == jnp.int32 and leaves[0].shape == ()
+    again = jax.tree.unflatten(treedef, leaves)
+    assert again.start_localSGD_iter == 5 and again.subgroup == ("local",)
+    assert again.process_group == ("node", "local") and not again.post_local_gradient_allreduce
+    with pytest.raises(AttributeError, match="immutable"):
+        state.iter = 3
+    assert int(state.replace(iter=jnp.int32(7)).iter) == 7
+    assert bool(state.replace(iter=jnp.int32(5)).local_sgd_started)
+    with pytest.raises(TypeError, match="no field"):
+        state.replace(step=1)
+
+
+def test_iter_saturates():
+    big = np.iinfo(np.int32).max
+    state = lsgd_jax.PostLocalSGDState(None, None, 3).replace(iter=jnp.int32(big))
+    assert int(state.maybe_increase_iter().iter) == big
+
+
+# --- logging --------------------------------------------------------------------------
+
+
+def test_logs_at_construction_and_once_at_the_switch(caplog):
+    caplog.set_level(logging.INFO, logger="lsgd_jax")
+    mesh = mesh_2x4()
+    state = lsgd_jax.PostLocalSGDState(None, None, 2)
+    assert [r.getMessage() for r in caplog.records] == [
+        "Local SGD will be started after 2 iterations"
+    ]
+    caplog.clear()
+    f = hook_fn(state, mesh, False)
+    state = put(state, mesh, P())
+    for _ in range(5):
+        state, _ = f(state, put(rank_values(8), mesh, DATA))
+    jax.effects_barrier()
+    msgs = [r.getMessage() for r in caplog.records]
+    assert msgs == ["Start to apply local SGD after 2 iterations."]  # once, not per device
+    assert all(r.name == "lsgd_jax" for r in caplog.records)
+
+
+def test_eager_maybe_increase_iter_logs_once(caplog):
+    caplog.set_level(logging.INFO, logger="lsgd_jax")
+    state = lsgd_jax.PostLocalSGDState(None, None, 2)
+    caplog.clear()
+    state = state.maybe_increase_iter()
+    assert not caplog.records
+    state = state.maybe_increase_iter()
+    assert [r.getMessage() for r in caplog.records] == [
+        "Start to apply local SGD after 2 iterations."
+    ]
+
+
+def test_tree_operations_do_not_log(caplog):
+    state = lsgd_jax.PostLocalSGDState(None, None, 2)
+    caplog.set_level(logging.INFO, logger="lsgd_jax")
+    jax.tree.map(lambda x: x + 1, state)
+    jax.jit(lambda s: s)(state)
+    assert not caplog.records
+
+
+# --- pmap -----------------------------------------------------------------------------
+
+
+def test_under_pmap_with_index_groups():
+    nodes = lsgd_jax.IndexGroups("batch", [[0, 1, 2, 3], [4, 5, 6, 7]])
+    state = lsgd_jax.PostLocalSGDState(None, nodes, 2)
+
+    def step(state, g):
+        g, state = lsgd_jax.post_localSGD_hook(state, g)
+        return state, g
+
+    f = jax.pmap(step, axis_name="batch", in_axes=(None, 0), out_axes=(None, 0))
+    g = rank_values(8)
+    for i in range(4):
+        state, out = f(state, g)
+        want = group_means(np.asarray(g), 8 if i < 2 else 4)
+        np.testing.assert_allclose(out, want)
+    assert int(state.iter) == 2
+
+
+# --- bad input ------------------------------------------------------------------------
+
+
+def test_negative_start_is_rejected():
+    with pytest.raises(
+        ValueError, match="start_localSGD_iter must be a non-negative number, got -1"
+    ):
+        lsgd_jax.PostLocalSGDState(None, None, -1)
+    with pytest.raises(ValueError, match="start_localSGD_iter"):
+        lsgd_jax.post_local_sgd(-2)
+    with pytest.raises(TypeError, match="start_localSGD_iter must be a Python int"):
+        lsgd_jax.post_local_sgd(1.5)
+
+
+def test_bad_group_specs_are_rejected():
+    with pytest.raises(ValueError, match="at least one mesh axis"):
+        lsgd_jax.PostLocalSGDState((), None, 1)
+    with pytest.raises(ValueError, match="names an axis twice"):
+        lsgd_jax.PostLocalSGDState(None, ("local", "local"), 1)
+    with pytest.raises(ValueError, match="partition"):
+        lsgd_jax.IndexGroups("i", [[0, 1], [1, 2]])
+    with pytest.raises(ValueError, match="same size"):
+        lsgd_jax.IndexGroups("i", [[0, 1, 2], [3]])
+    with pytest.raises(TypeError, match="True or False"):
+        lsgd_jax.PostLocalSGDState(None, None, 1, post_local_gradient_allreduce=1)
+
+
+def test_unbound_subgroup_axis_is_named():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("host", "chip"))
+    state = lsgd_jax.PostLocalSGDState(None, None, 1)
+
+    def body(state, g):
+        g, state = lsgd_jax.post_localSGD_hook(state, g[0])
+        return state, g[None]
+
+    f = smap(body, mesh, (P(), P(("host", "chip"))), (P(), P(("host", "chip"))))
+    with pytest.raises(lsgd_jax.AxisNotBoundError, match="'local' is not bound here") as e:
+        f(state, jnp.ones(8))
+    assert "('host', 'chip')" in str(e.value) and "subgroup" in str(e.value)
+
+
+def test_hook_rejects_a_wrong_state():
+    with pytest.raises(TypeError, match="expects a PostLocalSGDState"):
+        lsgd_jax.post_localSGD_hook({"iter": 0}, jnp.ones(3))
