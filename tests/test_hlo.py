@@ -1,0 +1,210 @@
+"""What a compiled training step communicates, read off its HLO."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import DATA, mesh_2x4, put, smap, squeeze, unsqueeze
+from jax.sharding import PartitionSpec as P
+
+import lsgd_jax
+from lsgd_jax._report import parse_hlo
+
+PARAM_BYTES = (16 * 8 + 8) * 4  # w: f32[16, 8], b: f32[8]
+
+
+def loss(params, x):
+    return jnp.mean((x @ params["w"] + params["b"]) ** 2)
+
+
+def train_step(tx, mesh, spec=DATA):
+    def body(params, opt_state, x):
+        params, opt_state = squeeze(params), squeeze(opt_state)
+        grads = jax.grad(loss)(params, x[0])
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return unsqueeze(optax.apply_updates(params, updates)), unsqueeze(opt_state)
+
+    return smap(body, mesh, (spec, spec, spec), (spec, spec))
+
+
+def report_for(tx, mesh, spec=DATA):
+    params = {"w": jnp.ones((16, 8)), "b": jnp.zeros(8)}
+    n = mesh.devices.size
+    args = (
+        lsgd_jax.replicate(params, mesh, spec[0]),
+        lsgd_jax.replicate(tx.init(params), mesh, spec[0]),
+        put(jnp.ones((n, 4, 16)), mesh, spec),
+    )
+    step = train_step(tx, mesh, spec)
+    return lsgd_jax.communication_report(step, *args), step, args
+
+
+def summary(report):
+    return sorted((c.kind, c.axes, c.bytes, c.conditional) for c in report)
+
+
+def test_post_local_sgd_step_communicates_only_inside_branches():
+    mesh = mesh_2x4()
+    tx = optax.chain(
+        lsgd_jax.post_local_sgd(10),
+        optax.sgd(0.1, momentum=0.9),
+        lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(4, warmup_steps=10)),
+    )
+    report, step, args = report_for(tx, mesh)
+    print(report)
+    # Exactly three collectives, one variadic all-reduce each: the global gradient mean
+    # (before the switch), the node-local gradient mean (after), and the model average.
+    # None of them runs unconditionally.
+    assert summary(report) == [
+        ("all-reduce", ("local",), PARAM_BYTES, True),
+        ("all-reduce", ("node", "local"), PARAM_BYTES, True),
+        ("all-reduce", ("node", "local"), PARAM_BYTES, True),
+    ]
+    assert not report.where(conditional=False)
+    # The two gradient means are the two branches of ONE conditional: never both.
+    local = report.where(axes=("local",))[0].computation
+    text = step.lower(*args).compile().as_text()
+    (cond,) = [line for line in text.splitlines() if f"%{local}," in line or f"%{local}}}" in line]
+    assert " conditional(" in cond
+    others = [c.computation for c in report.where(axes=("node", "local"))]
+    assert sum(f"%{c}" in cond for c in others) == 1  # the global one is its sibling
+
+
+def test_no_gradient_allreduce_after_switch():
+    mesh = mesh_2x4()
+    tx = optax.chain(
+        lsgd_jax.post_local_sgd(10, post_local_gradient_allreduce=False),
+        optax.sgd(0.1),
+        lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(4, warmup_steps=10)),
+    )
+    report, _, _ = report_for(tx, mesh)
+    assert summary(report) == [
+        ("all-reduce", ("node", "local"), PARAM_BYTES, True),
+        ("all-reduce", ("node", "local"), PARAM_BYTES, True),
+    ]
+
+
+def test_averaging_arithmetic_sits_inside_the_branch():
+    mesh = mesh_2x4()
+    tx = lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(4))
+    report, step, args = report_for(tx, mesh)
+    (avg,) = report
+    text = step.lower(*args).compile().as_text()
+    comps = _computations(text)
+    body = _with_callees(comps, avg.computation)
+    assert " add(" in body  # params + updates, inside the branch
+    assert " subtract(" in body  # mean - params, inside the branch
+    entry = next(v for k, v in comps.items() if k.startswith("ENTRY"))
+    assert " subtract(" not in entry
+
+
+def _computations(text):
+    comps, name = {}, None
+    for line in text.splitlines():
+        if line.endswith("{") and "->" in line:
+            name = ("ENTRY " if line.startswith("ENTRY") else "") + line.split()[
+                int(line.startswith("ENTRY"))
+            ].lstrip("%")
+            comps[name] = ""
+        elif line.startswith("}"):
+            name = None
+        elif name:
+            comps[name] += line + "\n"
+    return comps
+
+
+def _with_callees(comps, root):
+    import re
+
+    out, todo, seen = "", [root], set()
+    while todo:
+        c = todo.pop()
+        if c in seen or c not in comps:
+            continue
+        seen.add(c)
+        out += comps[c]
+        todo += re.findall(r"calls=%([\w.\-]+)", comps[c])
+    return out
+
+
+def test_hierarchical_runs_one_level_per_step():
+    devices = np.array(jax.devices()).reshape(2, 2, 2)
+    mesh = jax.sharding.Mesh(devices, ("pod", "node", "local"))
+    spec = P(("pod", "node", "local"))
+    averager = lsgd_jax.HierarchicalModelAverager(
+        {2: "local", 4: ("node", "local"), 8: ("pod", "node", "local")}, warmup_steps=10
+    )
+    report, _, _ = report_for(lsgd_jax.model_averaging(averager), mesh, spec)
+    assert summary(report) == [
+        ("all-reduce", ("local",), PARAM_BYTES, True),
+        ("all-reduce", ("node", "local"), PARAM_BYTES, True),
+        ("all-reduce", ("pod", "node", "local"), PARAM_BYTES, True),
+    ]
+    assert len({c.computation for c in report}) == 3  # three branches of one switch
+
+
+def test_functional_path_under_pmap():
+    nodes = lsgd_jax.IndexGroups("i", [[0, 1, 2, 3], [4, 5, 6, 7]])
+    state = lsgd_jax.PostLocalSGDState(None, nodes, 3)
+
+    def f(state, g):
+        g, state = lsgd_jax.post_localSGD_hook(state, g)
+        return state, g
+
+    step = jax.pmap(f, axis_name="i", in_axes=(None, 0), out_axes=(None, 0))
+    hlo = step.lower(state, jnp.ones((8, 10))).compile().as_text()
+    report = parse_hlo(hlo, num_devices=8)
+    assert sorted((c.group_size, c.num_groups, c.conditional) for c in report) == [
+        (4, 2, True),
+        (8, 1, True),
+    ]
+
+
+def test_plain_data_parallel_is_unconditional():
+    mesh = mesh_2x4()
+
+    def body(g):
+        return jax.lax.pmean(g, ("node", "local"))
+
+    f = smap(body, mesh, DATA, DATA)
+    report = lsgd_jax.communication_report(f, put(jnp.ones((8, 4)), mesh, DATA))
+    assert summary(report) == [("all-reduce", ("node", "local"), 16, False)]
+
+
+@pytest.mark.parametrize(
+    "groups, axes",
+    [
+        ("[2,4]<=[8]", ("local",)),
+        ("[4,2]<=[2,4]T(1,0)", ("node",)),
+        ("[1,8]<=[8]", ("node", "local")),
+        ("{{0,1,2,3},{4,5,6,7}}", ("local",)),
+        ("{}", ("node", "local")),
+    ],
+)
+def test_parse_hlo_replica_group_forms(groups, axes):
+    mesh = mesh_2x4()
+    hlo = f"""HloModule m
+%add (a: f32[], b: f32[]) -> f32[] {{
+  ROOT %s = f32[] add(%a, %b)
+}}
+%branch (p: f32[10]) -> f32[10] {{
+  ROOT %ar = f32[10]{{0}} all-reduce-start(%p), replica_groups={groups}, to_apply=%add
+}}
+%other (p: f32[10]) -> f32[10] {{
+  ROOT %q = f32[10]{{0}} copy(%p)
+}}
+ENTRY %main (p: f32[10], c: pred[]) -> f32[10] {{
+  %ag = bf16[8,6]{{1,0}} all-gather(%p), replica_groups={groups}, dimensions={{0}}
+  %ard = f32[10]{{0}} all-reduce-done(%p)
+  ROOT %r = f32[10]{{0}} conditional(%c, %p, %p), true_computation=%branch, false_computation=%other
+}}
+"""
+    report = parse_hlo(hlo, mesh=mesh)
+    assert [(c.kind, c.axes, c.conditional) for c in report] == [
+        ("all-reduce", axes, True),
+        ("all-gather", axes, False),
+    ]
+    ar, ag = report
+    assert ar.bytes == 40 and ag.bytes == 8 * 6 * 2 // ag.group_size
+    assert "all-reduce" in str(report) and "yes" in str(report)
