@@ -18,6 +18,7 @@ from lsgd_jax._hook import post_local_sgd, post_localSGD_hook
 from lsgd_jax._mesh import consensus, data_axes, make_mesh, replicate, unreplicate
 from lsgd_jax._report import Collective, CommunicationReport, communication_report
 from lsgd_jax._state import PostLocalSGDState
+from lsgd_jax._step import averager_states, data_parallel_step
 
 __version__ = "0.1.0"
 
@@ -31,9 +32,11 @@ __all__ = [
     "PeriodicModelAverager",
     "PostLocalSGDOptimizerState",
     "PostLocalSGDState",
+    "averager_states",
     "communication_report",
     "consensus",
     "data_axes",
+    "data_parallel_step",
     "make_mesh",
     "model_averaging",
     "post_localSGD_hook",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Union
@@ -24,15 +25,46 @@ _PERIOD_ONE = (
 )
 
 
-class ModelAveragerState(NamedTuple):
-    """The state of a model averager.
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["step"], meta_fields=["averager"])
+@dataclasses.dataclass(frozen=True, eq=False)
+class ModelAveragerState:
+    """The state of a model averager: its step count, and (static) which averager.
+
+    A pytree whose only array leaf is ``step``; ``averager`` is static metadata, so a
+    training loop can tell from an optimizer state alone when, and over which group,
+    the models were averaged (e.g. to average batch-norm statistics on the same steps).
 
     Attributes:
       step: int32 scalar, the number of ``average_parameters`` calls so far (PyTorch's
         ``averager.step``). It saturates at the int32 maximum instead of wrapping.
+      averager: the PeriodicModelAverager or HierarchicalModelAverager that owns it.
+
+    Example:
+      >>> import lsgd_jax
+      >>> state = lsgd_jax.PeriodicModelAverager(4).init()
+      >>> int(state.step), state.averager.period
+      (0, 4)
     """
 
     step: jax.Array
+    averager: Any = None
+
+    def replace(self, **changes: Any) -> ModelAveragerState:
+        """Returns a copy with the given fields replaced.
+
+        Args:
+          **changes: ``step=...`` and/or ``averager=...``.
+
+        Returns:
+          A new ModelAveragerState.
+
+        Example:
+          >>> import jax.numpy as jnp, lsgd_jax
+          >>> s = lsgd_jax.PeriodicModelAverager(4).init().replace(step=jnp.int32(9))
+          >>> int(s.step)
+          9
+        """
+        return dataclasses.replace(self, **changes)
 
 
 def _check_period(period: Any, name: str) -> int:
@@ -71,7 +103,7 @@ class _Averager:
           >>> int(lsgd_jax.PeriodicModelAverager(4).init().step)
           0
         """
-        return ModelAveragerState(step=jnp.zeros([], jnp.int32))
+        return ModelAveragerState(step=jnp.zeros([], jnp.int32), averager=self)
 
     def _switch(self, step: jax.Array, branch: Callable[[Any, Group], Any], identity, operand):
         """Runs ``branch(operand, group)`` for the level of ``step``, else ``identity``."""
@@ -109,16 +141,21 @@ class _Averager:
           >>> p, int(s.step)
           (Array([1.5, 1.5, 1.5, 1.5], dtype=float32), 1)
         """
-        _check_state(state, "average_parameters")
+        _check_state(state, "average_parameters", self)
         params = self._switch(state.step, _collectives.mean, lambda p: p, params)
-        return params, ModelAveragerState(step=optax.safe_increment(state.step))
+        return params, state.replace(step=optax.safe_increment(state.step))
 
 
-def _check_state(state: Any, what: str) -> None:
+def _check_state(state: Any, what: str, averager: Any) -> None:
     if not isinstance(state, ModelAveragerState):
         raise TypeError(
             f"{what} expects a ModelAveragerState (from averager.init()), got "
             f"{type(state).__name__}."
+        )
+    if state.averager is not None and state.averager != averager:
+        raise ValueError(
+            f"{what}: this state belongs to {state.averager!r}, not to {averager!r}; "
+            "use the state that this averager's init() made."
         )
 
 
@@ -372,7 +409,7 @@ def model_averaging(averager: Averager) -> optax.GradientTransformationExtraArgs
                 "model_averaging needs the current params: call "
                 "tx.update(grads, opt_state, params) (optax's third argument)."
             )
-        _check_state(state, "model_averaging")
+        _check_state(state, "model_averaging", averager)
 
         def to_mean(operand, group):
             u, p = operand
@@ -395,7 +432,7 @@ def model_averaging(averager: Averager) -> optax.GradientTransformationExtraArgs
             return _collectives.cast_tree_like(u, u, p)
 
         new_updates = averager._switch(state.step, to_mean, passthrough, (updates, params))
-        return new_updates, ModelAveragerState(step=optax.safe_increment(state.step))
+        return new_updates, state.replace(step=optax.safe_increment(state.step))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -16,6 +16,7 @@ from helpers import (
     squeeze,
     torch_hierarchical_level,
     torch_periodic_level,
+    types_of,
     unsqueeze,
 )
 from jax.sharding import PartitionSpec as P
@@ -171,9 +172,9 @@ def test_averager_state_is_type_stable_and_scannable():
 
     def body(params, state):
         params = squeeze(params)
-        before = jax.tree.map(jax.typeof, (params, state))
+        before = types_of((params, state))
         p, s = averager.average_parameters(params, state)
-        assert jax.tree.map(jax.typeof, (p, s)) == before
+        assert types_of((p, s)) == before
 
         def scan_step(carry, _):
             return averager.average_parameters(*carry), None
@@ -191,7 +192,7 @@ def test_averager_step_saturates_instead_of_wrapping():
     mesh = mesh_2x4()
     averager = lsgd_jax.PeriodicModelAverager(4)
     f = averaging_fn(averager, mesh, False)
-    state = lsgd_jax.ModelAveragerState(step=jnp.int32(np.iinfo(np.int32).max))
+    state = averager.init().replace(step=jnp.int32(np.iinfo(np.int32).max))
     _, state = f(put(rank_values(8), mesh, DATA), put(state, mesh, P()))
     assert int(state.step) == np.iinfo(np.int32).max
 

@@ -1,0 +1,16 @@
+"""The README's demo runs and shows what post-local SGD saves."""
+
+from lsgd_jax import demo
+
+
+def test_demo_compares_ddp_and_post_local_sgd(capsys):
+    rows = demo.main(["--steps", "40", "--start", "10", "--periods", "4", "16"])
+    out = capsys.readouterr().out
+    assert "DDP" in out and "post-local SGD, H=4" in out
+    ddp, h4, h16 = rows
+    assert ddp["global all-reduces"] == 40 and ddp["node-local all-reduces"] == 0
+    # 10 global gradient steps, then averages at steps 10, 14, ..., 38 (H=4) / 10, 26 (H=16).
+    assert h4["global all-reduces"] == 10 + 8 and h4["node-local all-reduces"] == 30
+    assert h16["global all-reduces"] == 10 + 2
+    assert h4["cross-node MB/device"] < ddp["cross-node MB/device"]
+    assert all(r["train loss"] < 2.3 for r in rows)  # below chance level (ln 10)

@@ -1,0 +1,138 @@
+"""data_parallel_step, replicate/unreplicate/consensus, and the errors users meet."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import mesh_2x4, put
+from jax.sharding import PartitionSpec as P
+from test_parity_torch import CFG, NAMES, batches, check, init_params, loss_fn, mesh_2x2
+
+import lsgd_jax
+
+
+def test_step_builder_reproduces_pytorch():
+    mesh = mesh_2x2()
+    tx = optax.chain(
+        lsgd_jax.post_local_sgd(CFG["start"]),
+        optax.sgd(CFG["lr"], momentum=CFG["momentum"]),
+        lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(CFG["period"], CFG["warmup"])),
+    )
+    step = lsgd_jax.data_parallel_step(lambda p, b: loss_fn(p, b["x"], b["y"]), tx, mesh)
+    params = lsgd_jax.replicate(init_params(), mesh)
+    opt_state = lsgd_jax.replicate(tx.init(init_params()), mesh)
+    xs, ys = batches()  # [steps, world, batch, ...]: rank r's rows are block r of the batch
+    traj = {n: [] for n in NAMES}
+    for s in range(CFG["steps"]):
+        batch = {"x": xs[s].reshape(-1, CFG["din"]), "y": ys[s].reshape(-1, 1)}
+        params, opt_state, loss = step(params, opt_state, batch)
+        for n in NAMES:
+            traj[n].append(np.asarray(params[n]))
+        want = (
+            np.mean([loss_fn(init_params(), xs[s][r], ys[s][r]) for r in range(4)])
+            if s == 0
+            else None
+        )
+        if want is not None:
+            np.testing.assert_allclose(loss, want, rtol=1e-6)  # the mean over replicas
+    check({n: np.array(v) for n, v in traj.items()})
+
+
+def mlp_loss(params, model_state, batch):
+    h = batch["x"] @ params["w"]
+    mean = jnp.mean(h, axis=0)
+    new_state = {
+        "running_mean": 0.9 * model_state["running_mean"] + 0.1 * mean,
+        "count": model_state["count"] + 1,
+    }
+    loss = jnp.mean((h - mean - batch["y"]) ** 2)
+    correct = jnp.sum(jnp.abs(h - batch["y"]) < 1.0).astype(jnp.int32)
+    return loss, (new_state, {"correct": correct, "h_mean": jnp.mean(h)})
+
+
+def test_model_state_is_averaged_with_the_params_and_aux_is_reduced():
+    mesh = mesh_2x4()
+    averager = lsgd_jax.PeriodicModelAverager(3, warmup_steps=2)
+    tx = optax.chain(
+        lsgd_jax.post_local_sgd(2, post_local_gradient_allreduce=False),
+        optax.sgd(0.05),
+        lsgd_jax.model_averaging(averager),
+    )
+    step = lsgd_jax.data_parallel_step(mlp_loss, tx, mesh, has_aux=True, with_model_state=True)
+    p0 = {"w": jnp.ones((5, 2))}
+    s0 = {"running_mean": jnp.zeros(2), "count": jnp.zeros([], jnp.int32)}
+    params, model_state = lsgd_jax.replicate(p0, mesh), lsgd_jax.replicate(s0, mesh)
+    opt_state = lsgd_jax.replicate(tx.init(p0), mesh)
+    rng = np.random.default_rng(0)
+    for s in range(9):
+        batch = {
+            "x": rng.standard_normal((32, 5), np.float32),
+            "y": rng.standard_normal((32, 2), np.float32),
+        }
+        params, model_state, opt_state, loss, aux = step(params, model_state, opt_state, batch)
+        rm = np.asarray(model_state["running_mean"])
+        if averager.level(s):
+            np.testing.assert_array_equal(rm, np.broadcast_to(rm[0], rm.shape))  # exact
+        elif s >= 2:
+            assert not np.allclose(rm[0], rm[4])  # per-replica statistics between averages
+        assert aux["correct"].dtype == jnp.int32 and 0 <= int(aux["correct"]) <= 64
+        assert aux["h_mean"].shape == () and loss.shape == ()
+    np.testing.assert_array_equal(model_state["count"], np.full(8, 9))  # ints: not averaged
+
+
+def test_replicate_unreplicate_consensus():
+    mesh = mesh_2x4()
+    tree = {"w": np.arange(6.0, dtype=np.float32).reshape(2, 3), "n": np.int32(4)}
+    rep = lsgd_jax.replicate(tree, mesh)
+    assert rep["w"].shape == (8, 2, 3) and rep["n"].shape == (8,)
+    assert rep["w"].sharding.spec == P(("node", "local"))
+    assert len({d for s in rep["w"].addressable_shards for d in [s.device]}) == 8
+    np.testing.assert_array_equal(lsgd_jax.unreplicate(rep)["w"], tree["w"])
+    diverged = jax.tree.map(
+        lambda x: x + jnp.arange(8).reshape((8,) + (1,) * (x.ndim - 1)).astype(x.dtype), rep
+    )
+    c = lsgd_jax.consensus(diverged)
+    np.testing.assert_allclose(c["w"], tree["w"] + 3.5)
+    assert int(c["n"]) == 4  # integer leaves: replica 0
+    bf = lsgd_jax.consensus(jnp.array([[1.0], [2.0], [4.0]], jnp.bfloat16))
+    assert bf.dtype == jnp.bfloat16 and float(bf[0]) == pytest.approx(7 / 3, rel=1e-2)
+
+
+def test_errors_users_make():
+    mesh = mesh_2x4()
+    tx = optax.chain(lsgd_jax.post_local_sgd(2), optax.sgd(0.1))
+    step = lsgd_jax.data_parallel_step(lambda p, b: jnp.mean((b @ p) ** 2), tx, mesh)
+    p = jnp.ones(3)
+    rep_p, rep_s = lsgd_jax.replicate(p, mesh), lsgd_jax.replicate(tx.init(p), mesh)
+    with pytest.raises(
+        ValueError,
+        match=r"params leaf \(root\) has shape \(3,\).*lsgd_jax.replicate\(params, mesh\)",
+    ):
+        step(p, rep_s, jnp.ones((8, 3)))
+    one_copy = put(jnp.ones((8, 3)), mesh, P())  # right shape, but one copy for all replicas
+    with pytest.raises(ValueError, match="not over the replica axes"):
+        step(one_copy, rep_s, jnp.ones((8, 3)))
+    with pytest.raises(ValueError, match="opt_state leaf"):
+        step(rep_p, tx.init(p), jnp.ones((8, 3)))
+    with pytest.raises(ValueError, match=r"batch leaf \(root\) has shape \(30, 3\).*multiple of 8"):
+        step(rep_p, rep_s, jnp.ones((30, 3)))
+    other = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
+    with pytest.raises(ValueError, match=r"not \['node'\]"):
+        lsgd_jax.data_parallel_step(lambda p, b: 0.0, tx, other, axes=("node", "y"))
+
+
+def test_make_mesh_layout_and_errors():
+    mesh = lsgd_jax.make_mesh()
+    assert dict(mesh.shape) == {"node": 1, "local": 8}  # one process = one node
+    mesh = lsgd_jax.make_mesh(num_nodes=4)
+    assert dict(mesh.shape) == {"node": 4, "local": 2}
+    assert [d.id for d in mesh.devices.flat] == sorted(d.id for d in jax.devices())
+    assert dict(lsgd_jax.make_mesh(devices_per_node=2, devices=jax.devices()[:4]).shape) == {
+        "node": 2,
+        "local": 2,
+    }
+    with pytest.raises(ValueError, match="needs 12 devices, but 8 are available"):
+        lsgd_jax.make_mesh(3, 4)
+    with pytest.raises(ValueError, match="num_nodes must be a positive int, got 0"):
+        lsgd_jax.make_mesh(0)
