@@ -105,6 +105,28 @@ class _Averager:
         """
         return ModelAveragerState(step=jnp.zeros([], jnp.int32), averager=self)
 
+    def _mean(self, tree: Any, group: Group, step: jax.Array) -> Any:
+        """The group mean of ``tree`` under this averager's non-finite policy."""
+        if self.nonfinite == "propagate":
+            return _collectives.mean(tree, group)
+        averaged, excluded, finite = _collectives.finite_mean(tree, group)
+        if self.nonfinite == "skip":
+            averaged = jax.tree.map(
+                lambda a, t: jnp.where(excluded > 0, t, a) if _collectives.is_averaged(t) else t,
+                averaged,
+                tree,
+            )
+        axes = _collectives.bound_axes()
+        replica = lax.axis_index(axes) if axes else jnp.zeros([], jnp.int32)
+        lax.cond(
+            finite,
+            lambda: None,
+            lambda: jax.debug.callback(
+                functools.partial(_log_nonfinite, self.nonfinite), step, replica, excluded
+            ),
+        )
+        return averaged
+
     def _switch(self, step: jax.Array, branch: Callable[[Any, Group], Any], identity, operand):
         """Runs ``branch(operand, group)`` for the level of ``step``, else ``identity``."""
         groups = self._resolve_groups()
@@ -142,8 +164,36 @@ class _Averager:
           (Array([1.5, 1.5, 1.5, 1.5], dtype=float32), 1)
         """
         _check_state(state, "average_parameters", self)
-        params = self._switch(state.step, _collectives.mean, lambda p: p, params)
+        average = functools.partial(self._mean, step=state.step)
+        params = self._switch(state.step, average, lambda p: p, params)
         return params, state.replace(step=optax.safe_increment(state.step))
+
+
+NONFINITE_POLICIES = ("propagate", "exclude", "skip")
+
+
+def _log_nonfinite(policy: str, step: Any, replica: Any, excluded: Any) -> None:
+    action = {
+        "exclude": "left out of the mean and given the mean of the finite replicas",
+        "skip": "so its group skipped this average and kept its local values",
+    }[policy]
+    logger.warning(
+        "Model averaging at step %s: replica %s has non-finite params (%s of its group "
+        "non-finite); %s.",
+        int(step),
+        int(replica),
+        int(excluded),
+        action,
+    )
+
+
+def _check_nonfinite(policy: Any) -> None:
+    if policy not in NONFINITE_POLICIES:
+        raise ValueError(
+            f"nonfinite must be one of {NONFINITE_POLICIES}, got {policy!r}: 'propagate' "
+            "(PyTorch's behaviour: a NaN spreads to the whole group), 'exclude' (average "
+            "the finite replicas only) or 'skip' (no average for a group with a NaN)."
+        )
 
 
 def _check_state(state: Any, what: str, averager: Any) -> None:
@@ -174,6 +224,15 @@ class PeriodicModelAverager(_Averager):
       period: steps between averages (>= 1; 1 warns, as plain DDP is then cheaper).
       warmup_steps: steps before the first average (>= 0).
       process_group: the axes to average over; None: every mapped axis bound where it runs.
+      nonfinite: what a replica with NaN/Inf params does to an average: ``"propagate"``
+        (default, PyTorch's behaviour: the whole group becomes NaN), ``"exclude"`` (the
+        mean of the finite replicas only, which the non-finite ones also receive:
+        ``average_parameters`` heals them; through ``model_averaging`` a replica whose
+        update is non-finite is healed, but one whose params already are stays so,
+        since ``apply_updates`` adds to them, and cannot spread) or ``"skip"``
+        (a group with a non-finite replica does not average this time). Either of the
+        last two logs a warning naming the replica and step, through the ``"lsgd_jax"``
+        logger; still one collective per average.
 
     Example:
       >>> import lsgd_jax
@@ -185,8 +244,10 @@ class PeriodicModelAverager(_Averager):
     period: int
     warmup_steps: int = 0
     process_group: GroupSpec = None
+    nonfinite: str = dataclasses.field(default="propagate", kw_only=True)
 
     def __post_init__(self) -> None:
+        _check_nonfinite(self.nonfinite)
         object.__setattr__(self, "period", _check_period(self.period, "period"))
         object.__setattr__(
             self, "warmup_steps", check_nonnegative_int(self.warmup_steps, "warmup_steps")
@@ -242,6 +303,7 @@ class HierarchicalModelAverager(_Averager):
       warmup_steps: steps before the first average (>= 0).
       process_group: the global axes, to check the last group against at construction;
         None: checked where it runs, against every bound mapped axis.
+      nonfinite: ``"propagate"``, ``"exclude"`` or ``"skip"``; see PeriodicModelAverager.
 
     Example:
       >>> import lsgd_jax
@@ -254,8 +316,10 @@ class HierarchicalModelAverager(_Averager):
     period_group_dict: Mapping[int, GroupSpec]
     warmup_steps: int = 0
     process_group: GroupSpec = None
+    nonfinite: str = dataclasses.field(default="propagate", kw_only=True)
 
     def __post_init__(self) -> None:
+        _check_nonfinite(self.nonfinite)
         d = self.period_group_dict
         if not isinstance(d, Mapping) or not d:
             raise ValueError(
@@ -416,7 +480,7 @@ def model_averaging(averager: Averager) -> optax.GradientTransformationExtraArgs
             new = jax.tree.map(
                 lambda pi, ui: jnp.asarray(pi + ui).astype(jnp.result_type(pi)), p, u
             )
-            new = _collectives.mean(new, group)
+            new = averager._mean(new, group, state.step)
             out = jax.tree.map(
                 lambda ni, pi, ui: (
                     (ni - pi).astype(jnp.result_type(ui)) if _collectives.is_averaged(ui) else ui

@@ -244,24 +244,69 @@ def is_averaged(x: Any) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
+def accumulation_dtype(dtype: Any) -> Any:
+    """The dtype a leaf is summed in: at least float32 (bf16/f16 means are taken in f32)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _psum(operands: list[jax.Array], group: Group) -> list[jax.Array]:
+    if isinstance(group, IndexGroups):
+        return lax.psum(operands, group.axis_name, axis_index_groups=group.groups)
+    return lax.psum(operands, group)
+
+
+def _restore(out: list[Any], leaves: list[Any], picked: list[int], values: list[jax.Array]):
+    for i, v in zip(picked, values):
+        out[i] = cast_varying(v.astype(jnp.result_type(leaves[i])), vma(leaves[i]))
+    return out
+
+
 def mean(tree: Any, group: Group) -> Any:
     """The mean of every inexact leaf of ``tree`` over ``group``; keeps leaf types.
 
     All averaged leaves go into one collective (a variadic all-reduce), as PyTorch
-    flattens the parameters into one buffer. Each leaf keeps its dtype and its
-    varying-axes type, so the result can be returned from one branch of a ``lax.cond``
-    whose other branch returns ``tree`` unchanged. Integer and boolean leaves pass.
+    flattens the parameters into one buffer. Leaves narrower than float32 (bfloat16,
+    float16) are summed in float32 and rounded once at the end. Each leaf keeps its dtype
+    and its varying-axes type, so the result can be returned from one branch of a
+    ``lax.cond`` whose other branch returns ``tree`` unchanged. Integer and boolean
+    leaves pass unchanged.
     """
     leaves, treedef = jax.tree.flatten(tree)
     picked = [i for i, x in enumerate(leaves) if is_averaged(x)]
     if not picked:
         return tree
-    operands = [leaves[i] for i in picked]
-    if isinstance(group, IndexGroups):
-        means = lax.pmean(operands, group.axis_name, axis_index_groups=group.groups)
-    else:
-        means = lax.pmean(operands, group)
-    out = list(leaves)
-    for i, m in zip(picked, means):
-        out[i] = cast_varying(m.astype(jnp.result_type(leaves[i])), vma(leaves[i]))
+    size = group_size(group)
+    sums = _psum([leaves[i].astype(accumulation_dtype(leaves[i].dtype)) for i in picked], group)
+    out = _restore(list(leaves), leaves, picked, [s / size for s in sums])
     return jax.tree.unflatten(treedef, out)
+
+
+def finite_mean(tree: Any, group: Group) -> tuple[Any, jax.Array, jax.Array]:
+    """The mean over the replicas of ``group`` whose leaves are all finite.
+
+    A replica with any NaN or Inf in any averaged leaf of ``tree`` is left out of the
+    sum and the count, and receives the mean of the others, so one diverged replica
+    cannot poison the model. Still one collective: the finiteness flag rides along
+    with the leaves. If no replica of a group is finite, its values are left as they are.
+
+    Returns:
+      ``(tree, excluded, finite)``: the averaged tree, the number (int32 scalar) of
+      replicas of this replica's group that were left out, and whether this replica was
+      finite.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    picked = [i for i, x in enumerate(leaves) if is_averaged(x)]
+    if not picked:
+        return tree, jnp.zeros([], jnp.int32), jnp.ones([], bool)
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaves[i])) for i in picked]))
+    zero = jnp.zeros([], jnp.float32)
+    operands = [
+        jnp.where(finite, leaves[i], 0).astype(accumulation_dtype(leaves[i].dtype)) for i in picked
+    ]
+    *sums, count = _psum([*operands, jnp.where(finite, 1.0, zero)], group)
+    means = [
+        jnp.where(count > 0, s / jnp.maximum(count, 1), leaves[i]) for s, i in zip(sums, picked)
+    ]
+    excluded = (group_size(group) - count).astype(jnp.int32)
+    out = jax.tree.unflatten(treedef, _restore(list(leaves), leaves, picked, means))
+    return out, excluded, finite
