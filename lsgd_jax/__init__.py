@@ -5,20 +5,28 @@ each node, and models are averaged over all replicas every few steps (Lin et al.
 Use Large Mini-Batches, Use Local SGD", ICLR 2020).
 """
 
-from lsgd_jax._averaging import (
-    HierarchicalModelAverager,
-    ModelAveragerState,
-    PeriodicModelAverager,
-    PostLocalSGDOptimizerState,
-    model_averaging,
-    post_local_sgd_optimizer,
-)
-from lsgd_jax._collectives import AxisNotBoundError, IndexGroups
-from lsgd_jax._hook import post_local_sgd, post_localSGD_hook
-from lsgd_jax._mesh import consensus, data_axes, make_mesh, replicate, unreplicate
-from lsgd_jax._report import Collective, CommunicationReport, communication_report
+from lsgd_jax._averaging import HierarchicalModelAverager
+from lsgd_jax._averaging import ModelAveragerState
+from lsgd_jax._averaging import PeriodicModelAverager
+from lsgd_jax._averaging import PostLocalSGDOptimizerState
+from lsgd_jax._averaging import model_averaging
+from lsgd_jax._averaging import post_local_sgd_optimizer
+from lsgd_jax._collectives import AxisNotBoundError
+from lsgd_jax._collectives import IndexGroups
+from lsgd_jax._collectives import node_groups
+from lsgd_jax._hook import post_local_sgd
+from lsgd_jax._hook import post_localSGD_hook
+from lsgd_jax._mesh import consensus
+from lsgd_jax._mesh import data_axes
+from lsgd_jax._mesh import make_mesh
+from lsgd_jax._mesh import replicate
+from lsgd_jax._mesh import unreplicate
+from lsgd_jax._report import Collective
+from lsgd_jax._report import CommunicationReport
+from lsgd_jax._report import communication_report
 from lsgd_jax._state import PostLocalSGDState
-from lsgd_jax._step import averager_states, data_parallel_step
+from lsgd_jax._step import averager_states
+from lsgd_jax._step import data_parallel_step
 
 __version__ = "0.1.0"
 
@@ -39,6 +47,7 @@ __all__ = [
     "data_parallel_step",
     "make_mesh",
     "model_averaging",
+    "node_groups",
     "post_localSGD_hook",
     "post_local_sgd",
     "post_local_sgd_optimizer",

@@ -80,6 +80,49 @@ class IndexGroups:
         return len(self.groups[0])
 
 
+def node_groups(axis_name: AxisName, devices_per_node: int | None = None) -> IndexGroups:
+    """The node-local groups of a single mapped axis (``jax.pmap``): one group per node.
+
+    Under ``jax.pmap`` there is one axis, so the intra-node subgroup of post-local SGD
+    is a partition of its indices. By default the partition follows the process layout:
+    index ``i`` is ``jax.devices()[i]``, and a node is a process. On one process that is
+    a single group (post-local SGD then averages within all devices every step); pass
+    ``devices_per_node`` to cut the indices into consecutive blocks instead, e.g. to
+    simulate two nodes of four devices on one host.
+
+    Args:
+      axis_name: the pmap axis name.
+      devices_per_node: the size of each block of consecutive indices; default: group
+        the indices by ``device.process_index``.
+
+    Returns:
+      An IndexGroups over ``axis_name``.
+
+    Example:
+      >>> import lsgd_jax
+      >>> lsgd_jax.node_groups("batch", devices_per_node=4).groups
+      ((0, 1, 2, 3), (4, 5, 6, 7))
+    """
+    devices = jax.devices()
+    if devices_per_node is None:
+        by_process: dict[int, list[int]] = {}
+        for i, d in enumerate(devices):
+            by_process.setdefault(d.process_index, []).append(i)
+        return IndexGroups(axis_name, tuple(tuple(g) for g in by_process.values()))
+    if isinstance(devices_per_node, bool) or not isinstance(devices_per_node, int):
+        raise TypeError(f"devices_per_node must be an int, got {devices_per_node!r}.")
+    if devices_per_node < 1 or len(devices) % devices_per_node:
+        raise ValueError(
+            f"node_groups: devices_per_node={devices_per_node} must be a positive divisor of "
+            f"the {len(devices)} devices."
+        )
+    n = len(devices)
+    return IndexGroups(
+        axis_name,
+        tuple(tuple(range(i, i + devices_per_node)) for i in range(0, n, devices_per_node)),
+    )
+
+
 GroupSpec = Union[None, AxisName, Sequence[AxisName], IndexGroups]
 Group = Union[Axes, IndexGroups]
 
@@ -159,11 +202,18 @@ def _check_bound(axes: Axes, what: str) -> None:
         try:
             lax.axis_size(a)
         except NameError:
+            bound = bound_axes()
+            hint = ""
+            if len(bound) == 1:
+                hint = (
+                    f" Under jax.pmap there is one axis ({bound[0]!r}): name a node's group "
+                    f"with lsgd_jax.node_groups({bound[0]!r}, devices_per_node=...)."
+                )
             raise AxisNotBoundError(
                 f"{what}: mesh axis {a!r} is not bound here (bound axes: "
-                f"{bound_axes() or 'none'}). Call it inside jax.shard_map or jax.pmap over "
+                f"{bound or 'none'}). Call it inside jax.shard_map or jax.pmap over "
                 f"a mesh that has an axis named {a!r} (e.g. lsgd_jax.make_mesh(), whose axes "
-                f"are ('node', 'local')), or pass the axis names your mesh uses."
+                f"are ('node', 'local')), or pass the axis names your mesh uses.{hint}"
             ) from None
 
 
@@ -251,7 +301,14 @@ def accumulation_dtype(dtype: Any) -> Any:
 
 def _psum(operands: list[jax.Array], group: Group) -> list[jax.Array]:
     if isinstance(group, IndexGroups):
-        return lax.psum(operands, group.axis_name, axis_index_groups=group.groups)
+        try:
+            return lax.psum(operands, group.axis_name, axis_index_groups=group.groups)
+        except NotImplementedError as e:
+            raise NotImplementedError(
+                f"A mean over {group!r} (axis_index_groups) is not supported here: under "
+                "jax.shard_map it needs check_vma=False. Better, give the node its own mesh "
+                "axis (lsgd_jax.make_mesh() has 'node' and 'local') and name it instead."
+            ) from e
     return lax.psum(operands, group)
 
 

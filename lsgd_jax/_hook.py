@@ -15,6 +15,17 @@ from lsgd_jax._state import PostLocalSGDState
 DEFAULT_SUBGROUP = ("local",)
 
 
+def _default_subgroup() -> Any:
+    """``"local"`` where bound; under a single (pmap) axis, the process layout."""
+    bound = _collectives.bound_axes()
+    if DEFAULT_SUBGROUP[0] not in bound and len(bound) == 1:
+        import jax
+
+        if lax.axis_size(bound[0]) == jax.device_count():
+            return _collectives.node_groups(bound[0])
+    return DEFAULT_SUBGROUP
+
+
 def _groups(state: PostLocalSGDState) -> tuple[Any, Any]:
     what = "post_localSGD_hook"
     global_group = _collectives.resolve(
@@ -22,9 +33,7 @@ def _groups(state: PostLocalSGDState) -> tuple[Any, Any]:
     )
     subgroup = None
     if state.post_local_gradient_allreduce:
-        subgroup = _collectives.resolve(
-            state.subgroup, lambda: DEFAULT_SUBGROUP, what + " (subgroup)"
-        )
+        subgroup = _collectives.resolve(state.subgroup, _default_subgroup, what + " (subgroup)")
     return global_group, subgroup
 
 
