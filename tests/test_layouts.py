@@ -1,0 +1,122 @@
+"""Model-parallel and HSDP layouts give the same numbers as plain data parallelism."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import lsgd_jax
+
+AUTO3 = (AxisType.Auto,) * 3
+STEPS, START, PERIOD = 8, 3, 2
+
+
+def loss_fn(p, b):
+    h = jnp.tanh(b["x"] @ p["w1"] + p["b1"])
+    return jnp.mean((h @ p["w2"] - b["y"]) ** 2)
+
+
+def init():
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return {
+        "w1": jax.random.normal(k1, (12, 16)) * 0.3,
+        "b1": jnp.zeros(16),
+        "w2": jax.random.normal(k2, (16, 2)) * 0.3,
+    }
+
+
+def batches(n_rows):
+    rng = np.random.default_rng(0)
+    for _ in range(STEPS):
+        x = rng.standard_normal((n_rows, 12)).astype(np.float32)
+        yield {"x": x, "y": np.sin(x[:, :2]).astype(np.float32)}
+
+
+def tx_for(process_group=None, post_local_gradient_allreduce=True):
+    return optax.chain(
+        lsgd_jax.post_local_sgd(
+            START,
+            process_group=process_group,
+            post_local_gradient_allreduce=post_local_gradient_allreduce,
+        ),
+        optax.sgd(0.1, momentum=0.9),
+        lsgd_jax.model_averaging(
+            lsgd_jax.PeriodicModelAverager(PERIOD, START, process_group=process_group)
+        ),
+    )
+
+
+def place(tree, mesh, n, specs):
+    """One copy per replica (leading axis), with the given full specs."""
+    return jax.tree.map(
+        lambda x, s: jax.device_put(jnp.broadcast_to(x, (n, *x.shape)), NamedSharding(mesh, s)),
+        tree,
+        specs,
+    )
+
+
+def run(mesh, tx, n, param_specs, axes=None, n_rows=32):
+    step = lsgd_jax.data_parallel_step(loss_fn, tx, mesh, axes=axes)
+    lead = P(axes or lsgd_jax.data_axes(mesh))[0]
+    params = place(init(), mesh, n, param_specs)
+    opt_state = jax.tree.map(
+        lambda x: jax.device_put(
+            jnp.broadcast_to(x, (n, *jnp.shape(x))), NamedSharding(mesh, P(lead))
+        ),
+        tx.init(init()),
+    )
+    traj = []
+    for batch in batches(n_rows):
+        params, opt_state, loss = step(params, opt_state, batch)
+        traj.append(jax.tree.map(np.asarray, params))
+    return traj, step, params, opt_state
+
+
+def plain(num_nodes, per_node):
+    mesh = lsgd_jax.make_mesh(num_nodes, per_node)
+    n = num_nodes * per_node
+    specs = jax.tree.map(lambda _: P(("node", "local")), init())
+    return run(mesh, tx_for(), n, specs)[0]
+
+
+def test_model_axis_stays_automatic_and_matches_plain_data_parallel():
+    devices = np.array(jax.devices()).reshape(2, 2, 2)
+    mesh = Mesh(devices, ("node", "local", "model"), axis_types=AUTO3)
+    specs = {
+        "w1": P(("node", "local"), None, "model"),
+        "b1": P(("node", "local"), "model"),
+        "w2": P(("node", "local"), "model", None),
+    }
+    traj, step, params, opt_state = run(mesh, tx_for(), 4, specs)
+    assert params["w1"].sharding.spec == specs["w1"]  # still sharded over "model"
+    want = plain(2, 2)
+    for got, ref in zip(traj, want):
+        for name in got:
+            np.testing.assert_allclose(got[name], ref[name], rtol=1e-5, atol=1e-6)
+    report = lsgd_jax.communication_report(step.jitted, params, None, opt_state, next(batches(32)))
+    # The data-parallel means (gradients, models) are conditional; the only unconditional
+    # data-axis collective is the 4-byte mean of the loss that the step returns.
+    data_collectives = [c for c in report if c.axes and "model" not in c.axes and c.bytes > 4]
+    assert len(data_collectives) == 3 and all(c.conditional for c in data_collectives)
+    assert {c.bytes for c in data_collectives} == {(12 * 16 + 16 + 16 * 2) * 4 // 2}  # half each
+
+
+def test_hsdp_params_sharded_inside_the_node_local_sgd_across_nodes():
+    devices = np.array(jax.devices()).reshape(2, 4)
+    mesh = Mesh(devices, ("node", "local"), axis_types=AUTO3[:2])
+    specs = {
+        "w1": P("node", None, "local"),
+        "b1": P("node", "local"),
+        "w2": P("node", "local", None),
+    }
+    tx = tx_for(process_group="node", post_local_gradient_allreduce=False)
+    traj, step, params, opt_state = run(mesh, tx, 2, specs, axes=("node",))
+    assert params["w1"].sharding.spec == specs["w1"]
+    want = plain(2, 4)  # the same math: grads averaged in the node, models every 2 steps
+    for got, ref in zip(traj, want):
+        for name in got:
+            np.testing.assert_allclose(got[name], np.asarray(ref[name])[::4], rtol=1e-5, atol=1e-6)
+    # the two nodes really diverge between averages
+    assert not np.allclose(traj[START + 1]["w1"][0], traj[START + 1]["w1"][1])
