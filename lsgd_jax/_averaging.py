@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Union
@@ -116,6 +117,8 @@ class _Averager:
                 averaged,
                 tree,
             )
+        if not logger.isEnabledFor(logging.WARNING):
+            return averaged  # no host callback in the program
         axes = _collectives.bound_axes()
         replica = lax.axis_index(axes) if axes else jnp.zeros([], jnp.int32)
         lax.cond(
@@ -232,7 +235,8 @@ class PeriodicModelAverager(_Averager):
         since ``apply_updates`` adds to them, and cannot spread) or ``"skip"``
         (a group with a non-finite replica does not average this time). Either of the
         last two logs a warning naming the replica and step, through the ``"lsgd_jax"``
-        logger; still one collective per average.
+        logger (a host callback, compiled in while that logger is enabled for WARNING
+        at trace time); still one collective per average.
 
     Example:
       >>> import lsgd_jax

@@ -304,6 +304,115 @@ def parse_hlo(text: str, mesh: Any = None, num_devices: int | None = None) -> Co
     return CommunicationReport(out)
 
 
+_MLIR_KINDS = {
+    "all_reduce": "all-reduce",
+    "all_gather": "all-gather",
+    "reduce_scatter": "reduce-scatter",
+    "collective_permute": "collective-permute",
+    "all_to_all": "all-to-all",
+    "collective_broadcast": "collective-broadcast",
+}
+_MLIR_OP = re.compile(r'"stablehlo\.(' + "|".join(_MLIR_KINDS) + r')"')
+_MLIR_COND = re.compile(r'"stablehlo\.(case|if)"\(')
+_MLIR_TENSOR = re.compile(r"tensor<((?:\d+x)*)([a-z]+\d*)>")
+_MLIR_BYTES = {
+    "i1": 1,
+    "i8": 1,
+    "ui8": 1,
+    "i16": 2,
+    "bf16": 2,
+    "f16": 2,
+    "i32": 4,
+    "ui32": 4,
+    "f32": 4,
+    "i64": 8,
+    "ui64": 8,
+    "f64": 8,
+}
+
+
+def _mlir_bytes(types: str) -> int:
+    total = 0
+    for dims, dtype in _MLIR_TENSOR.findall(types):
+        n = int(np.prod([int(d) for d in dims.split("x") if d] or [1]))
+        total += n * _MLIR_BYTES.get(dtype, 4)
+    return total
+
+
+def parse_stablehlo(text: str, mesh: Any = None) -> CommunicationReport:
+    """Lists the collectives of a StableHLO module (e.g. ``jax.export``'s ``mlir_module()``).
+
+    A collective is ``conditional`` when it sits inside a region of a ``stablehlo.case``
+    or ``stablehlo.if``. This reads the program before XLA optimizes it (no all-reduce
+    combining), for any target platform, without a device of that kind.
+
+    Args:
+      text: the module's text.
+      mesh: the mesh its device positions refer to, to name the axes of each group.
+
+    Returns:
+      A CommunicationReport (``bytes`` from the result types; ``computation`` is "").
+
+    Example:
+      >>> mlir = '''
+      ...   %1 = "stablehlo.case"(%0) ({
+      ...     %2 = "stablehlo.all_reduce"(%x) <{replica_groups = dense<[[0, 1]]> : tensor<1x2xi64>}> ({
+      ...     }) : (tensor<3xf32>) -> tensor<3xf32>
+      ...   }) : (tensor<i32>) -> tensor<3xf32>'''
+      >>> [(c.kind, c.group_size, c.bytes, c.conditional) for c in parse_stablehlo(mlir)]
+      [('all-reduce', 2, 12, True)]
+    """
+    lines = text.splitlines()
+    stack: list[int] = []  # indents of the open case/if ops
+    out = []
+    for k, line in enumerate(lines):
+        indent = len(line) - len(line.lstrip())
+        stripped = line.strip()
+        if stack and indent == stack[-1] and stripped.startswith("})"):
+            stack.pop()
+            continue
+        if _MLIR_COND.search(line):
+            stack.append(indent)
+            continue
+        m = _MLIR_OP.search(line)
+        if not m:
+            continue
+        groups_m = re.search(r"replica_groups = dense<(\[\[.*?\]\])>", line)
+        if groups_m:
+            groups = tuple(
+                tuple(int(i) for i in g.split(",") if i.strip())
+                for g in re.findall(r"\[([\d,\s]+)\]", groups_m.group(1))
+            )
+        else:
+            groups = ((),)
+        close = next(
+            (
+                later
+                for later in lines[k + 1 :]
+                if later.strip().startswith("})") and len(later) - len(later.lstrip()) == indent
+            ),
+            line,
+        )
+        result_types = close.split("->", 1)[-1] if "->" in close else ""
+        op = re.search(r"loc\(([^)]*)\)", close)
+        size = max(len(g) for g in groups) or 1
+        out.append(
+            Collective(
+                kind=_MLIR_KINDS[m.group(1)],
+                group_size=size,
+                num_groups=len(groups),
+                axes=_axes_of(groups, mesh) if groups != ((),) else None,
+                bytes=_mlir_bytes(result_types),
+                conditional=bool(stack),
+                name=stripped.split("=", 1)[0].strip(),
+                computation="",
+                op_name=op.group(1) if op else "",
+                replica_groups=groups,
+            )
+        )
+    return CommunicationReport(out)
+
+
 def _find_mesh(args: Iterable[Any]) -> Any:
     import jax
 
@@ -315,7 +424,7 @@ def _find_mesh(args: Iterable[Any]) -> Any:
 
 
 def communication_report(
-    jitted_step: Any, *args: Any, mesh: Any = None, **kwargs: Any
+    jitted_step: Any, *args: Any, mesh: Any = None, platform: str | None = None, **kwargs: Any
 ) -> CommunicationReport:
     """What a jitted step communicates: one record per collective of its compiled HLO.
 
@@ -330,6 +439,9 @@ def communication_report(
       *args: example arguments (arrays or ``jax.ShapeDtypeStruct`` with shardings).
       mesh: the mesh whose axes name the groups; default the mesh of the first argument
         with a ``NamedSharding``.
+      platform: when given (e.g. ``"cuda"`` or ``"tpu"``), the step is lowered for that
+        platform with ``jax.export`` instead of compiled here, and its StableHLO is read
+        (before XLA's optimizations; no device of that kind is needed).
       **kwargs: keyword arguments of ``jitted_step``.
 
     Returns:
@@ -345,10 +457,15 @@ def communication_report(
       >>> [(c.kind, c.axes, c.bytes, c.conditional) for c in lsgd_jax.communication_report(f, x)]
       [('all-reduce', ('local',), 4, False)]
     """
+    if mesh is None:
+        mesh = _find_mesh(list(args) + list(kwargs.values()))
+    if platform is not None:
+        from jax import export
+
+        exported = export.export(jitted_step, platforms=(platform,))(*args, **kwargs)
+        return parse_stablehlo(exported.mlir_module(), mesh=mesh)
     if hasattr(jitted_step, "as_text") and not hasattr(jitted_step, "lower"):
         compiled = jitted_step
     else:
         compiled = jitted_step.lower(*args, **kwargs).compile()
-    if mesh is None:
-        mesh = _find_mesh(list(args) + list(kwargs.values()))
     return parse_hlo(compiled.as_text(), mesh=mesh)

@@ -141,7 +141,9 @@ class PostLocalSGDState:
         ``start_localSGD_iter`` this logs, once, ``"Start to apply local SGD after N
         iterations."`` through the ``"lsgd_jax"`` logger. Under ``jax.jit`` the message
         comes from a ``jax.debug.callback`` on the first replica only, in a ``lax.cond``
-        that holds no collective.
+        that holds no collective; it is compiled in only when that logger is enabled for
+        INFO at trace time (configure logging before the first step is traced), so by
+        default the program holds no host callback (and ``jax.export`` works).
 
         Returns:
           A new PostLocalSGDState.
@@ -155,6 +157,8 @@ class PostLocalSGDState:
         new_iter = optax.safe_increment(self.iter)
         reached = new_iter == self.start_localSGD_iter
         if isinstance(reached, jax.core.Tracer):
+            if not logger.isEnabledFor(logging.INFO):
+                return self.replace(iter=new_iter)  # no host callback in the program
             axes = _collectives.bound_axes()
             if axes:
                 reached = reached & (lax.axis_index(axes) == 0)

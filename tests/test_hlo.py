@@ -208,3 +208,32 @@ ENTRY %main (p: f32[10], c: pred[]) -> f32[10] {{
     ar, ag = report
     assert ar.bytes == 40 and ag.bytes == 8 * 6 * 2 // ag.group_size
     assert "all-reduce" in str(report) and "yes" in str(report)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_the_step_lowers_for_gpu_and_tpu_with_collectives_inside_conditionals(platform):
+    mesh = mesh_2x4()
+    tx = optax.chain(
+        lsgd_jax.post_local_sgd(10),
+        optax.adamw(1e-3),
+        lsgd_jax.model_averaging(
+            lsgd_jax.HierarchicalModelAverager({2: "local", 8: ("node", "local")}, 10)
+        ),
+    )
+    step = lsgd_jax.data_parallel_step(loss, tx, mesh)
+    params = {"w": jnp.ones((16, 8)), "b": jnp.zeros(8)}
+    args = (
+        lsgd_jax.replicate(params, mesh),
+        None,
+        lsgd_jax.replicate(tx.init(params), mesh),
+        put(jnp.ones((32, 16)), mesh, DATA),
+    )
+    report = lsgd_jax.communication_report(step.jitted, *args, platform=platform)
+    # Before XLA combines them, there is one all-reduce per leaf. Per axes, the bytes add
+    # up to two parameter sets: the gradient means (global or local, one cond) and the
+    # model averages (local or global level, one switch). All conditional.
+    unconditional = report.where(conditional=False)
+    assert [(c.axes, c.bytes) for c in unconditional] == [(("node", "local"), 4)]  # the loss
+    for axes in [("local",), ("node", "local")]:
+        cond = report.where(conditional=True, axes=axes)
+        assert sum(c.bytes for c in cond) == 2 * PARAM_BYTES
