@@ -356,7 +356,7 @@ def parse_stablehlo(text: str, mesh: Any = None) -> CommunicationReport:
     Example:
       >>> mlir = '''
       ... %1 = "stablehlo.case"(%0) ({
-      ...   %2 = "stablehlo.all_reduce"(%x) <{replica_groups = dense<[[0, 1]]> : tensor<1x2xi64>}> ({
+      ...   %2 = "stablehlo.all_reduce"(%x) <{replica_groups = dense<[[0, 1]]>}> ({
       ...   }) : (tensor<3xf32>) -> tensor<3xf32>
       ... }) : (tensor<i32>) -> tensor<3xf32>'''
       >>> [(c.kind, c.group_size, c.bytes, c.conditional) for c in parse_stablehlo(mlir)]
