@@ -81,7 +81,12 @@ def make_mesh(
 
 
 def data_axes(mesh: Mesh) -> tuple[str, ...]:
-    """The data-parallel axes of ``mesh``: ``("node", "local")`` where present, else all.
+    """The data-parallel axes of ``mesh``: every axis up to ``"local"``, else all.
+
+    By our convention the replica axes come first and end with the intra-node axis
+    ``"local"``: ``("node", "local")``, or ``("pod", "node", "local")`` for a 3-level
+    hierarchy; axes after it (e.g. ``"model"``) are model-parallel. A mesh without a
+    ``"local"`` axis is taken to be all data-parallel; pass ``axes=`` where it is not.
 
     Args:
       mesh: a ``jax.sharding.Mesh``.
@@ -94,8 +99,10 @@ def data_axes(mesh: Mesh) -> tuple[str, ...]:
       >>> lsgd_jax.data_axes(lsgd_jax.make_mesh(2, 4))
       ('node', 'local')
     """
-    named = tuple(a for a in mesh.axis_names if a in (NODE_AXIS, LOCAL_AXIS))
-    return named or tuple(mesh.axis_names)
+    names = tuple(mesh.axis_names)
+    if LOCAL_AXIS in names:
+        return names[: names.index(LOCAL_AXIS) + 1]
+    return names
 
 
 def _num_replicas(mesh: Mesh, axes: tuple[str, ...]) -> int:
