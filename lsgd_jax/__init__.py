@@ -8,9 +8,6 @@ Use Large Mini-Batches, Use Local SGD", ICLR 2020).
 from lsgd_jax._averaging import HierarchicalModelAverager
 from lsgd_jax._averaging import ModelAveragerState
 from lsgd_jax._averaging import PeriodicModelAverager
-from lsgd_jax._averaging import PostLocalSGDOptimizerState
-from lsgd_jax._averaging import model_averaging
-from lsgd_jax._averaging import post_local_sgd_optimizer
 from lsgd_jax._collectives import AxisNotBoundError
 from lsgd_jax._collectives import IndexGroups
 from lsgd_jax._collectives import node_groups
@@ -21,6 +18,9 @@ from lsgd_jax._mesh import data_axes
 from lsgd_jax._mesh import make_mesh
 from lsgd_jax._mesh import replicate
 from lsgd_jax._mesh import unreplicate
+from lsgd_jax._optim import PostLocalSGDOptimizerState
+from lsgd_jax._optim import model_averaging
+from lsgd_jax._optim import post_local_sgd_optimizer
 from lsgd_jax._report import Collective
 from lsgd_jax._report import CommunicationReport
 from lsgd_jax._report import communication_report

@@ -1,4 +1,11 @@
-"""Model averagers (periodic, hierarchical) and their optax transformations."""
+"""Model averagers: PeriodicModelAverager and HierarchicalModelAverager.
+
+An averager is an immutable, hashable config; its mutable part is a ModelAveragerState
+(the step count, and where an option needs them, the params at the last global average
+and an outer optimizer's state). ``average_parameters`` runs one ``lax.cond`` /
+``lax.switch`` per step on a predicate derived only from the state's counters, so every
+replica takes the same branch and at most one group's collective runs per step.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +14,11 @@ import functools
 import logging
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple, Union
+from typing import Any, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
@@ -24,21 +32,89 @@ _PERIOD_ONE = (
     "the backward pass. Therefore, only plain data-parallel averaging of gradients should "
     "be used for this case."
 )
+NONFINITE_POLICIES = ("propagate", "exclude", "skip")
+
+_OPTIONS_DOC = """
+      nonfinite: what a replica with NaN/Inf params does to an average: ``"propagate"``
+        (default, PyTorch's behaviour: the whole group's element becomes NaN),
+        ``"exclude"`` (the mean of the finite replicas only, which the non-finite ones
+        also receive: ``average_parameters`` heals them; through ``model_averaging`` a
+        replica whose update is non-finite is healed, one whose params already are
+        keeps its NaN elements, since ``apply_updates`` adds to them, but cannot spread
+        them) or ``"skip"`` (a group with a non-finite replica does not average this
+        time). Both log a warning naming the replica and step through the
+        ``"lsgd_jax"`` logger (a host callback, compiled in while that logger is enabled
+        for WARNING at trace time); still one collective per average.
+      outer_optimizer: an optax transformation applied, at each global average, to the
+        pseudo-gradient ``anchor - mean(params)``, where ``anchor`` is the params at the
+        previous global average; the new params are ``anchor + updates`` (SlowMo, Wang
+        et al., ICLR 2020; DiLoCo, Douillard et al., 2023: ``optax.sgd(0.7,
+        momentum=0.9, nesterov=True)``). ``optax.sgd(1.0)`` is plain averaging, exactly.
+        Its state and the anchor live in the averager's state: ``init(params)``.
+      communication_dtype: e.g. ``jnp.bfloat16``: send the average in this dtype (an
+        all-to-all and an all-gather, about half the bytes of a float32 all-reduce) and
+        sum it in float32. The params are then rounded to this dtype at each average
+        unless ``delta=True``.
+      delta: average ``params - anchor`` (the change since the last global average)
+        instead of the params, and add it back to the anchor: with
+        ``communication_dtype`` the rounding then falls on the small change only.
+        Needs ``init(params)``.
+"""
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["step"], meta_fields=["averager"])
+def _check_period(period: Any, name: str) -> int:
+    if isinstance(period, bool) or not isinstance(period, (int, np.integer)):
+        raise TypeError(f"{name} must be a Python int, got {period!r}.")
+    if period < 1:
+        raise ValueError(f"{name} must be a positive value, got {period}; use 1 or more.")
+    return int(period)
+
+
+def _check_nonfinite(policy: Any) -> None:
+    if policy not in NONFINITE_POLICIES:
+        raise ValueError(
+            f"nonfinite must be one of {NONFINITE_POLICIES}, got {policy!r}: 'propagate' "
+            "(PyTorch's behaviour: a NaN spreads to the whole group), 'exclude' (average "
+            "the finite replicas only) or 'skip' (no average for a group with a NaN)."
+        )
+
+
+def _log_nonfinite(policy: str, step: Any, replica: Any, excluded: Any) -> None:
+    action = {
+        "exclude": "left out of the mean and given the mean of the finite replicas",
+        "skip": "so its group skipped this average and kept its local values",
+    }[policy]
+    logger.warning(
+        "Model averaging at step %s: replica %s has non-finite params (%s of its group "
+        "non-finite); %s.",
+        int(step),
+        int(replica),
+        int(excluded),
+        action,
+    )
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["step", "anchor", "outer_state", "last_sync"],
+    meta_fields=["averager"],
+)
 @dataclasses.dataclass(frozen=True, eq=False)
 class ModelAveragerState:
     """The state of a model averager: its step count, and (static) which averager.
 
-    A pytree whose only array leaf is ``step``; ``averager`` is static metadata, so a
-    training loop can tell from an optimizer state alone when, and over which group,
-    the models were averaged (e.g. to average batch-norm statistics on the same steps).
+    A pytree. ``averager`` is static metadata, so a training loop can tell from an
+    optimizer state alone when, and over which group, the models were averaged (e.g. to
+    average batch-norm statistics on the same steps). The other fields are None unless
+    an option of the averager needs them.
 
     Attributes:
       step: int32 scalar, the number of ``average_parameters`` calls so far (PyTorch's
         ``averager.step``). It saturates at the int32 maximum instead of wrapping.
       averager: the PeriodicModelAverager or HierarchicalModelAverager that owns it.
+      anchor: the params at the last global average (``outer_optimizer``, ``delta``).
+      outer_state: the outer optimizer's state.
+      last_sync: int32 scalar, the step of the last average (a callable ``period``).
 
     Example:
       >>> import lsgd_jax
@@ -49,12 +125,15 @@ class ModelAveragerState:
 
     step: jax.Array
     averager: Any = None
+    anchor: Any = None
+    outer_state: Any = None
+    last_sync: Any = None
 
     def replace(self, **changes: Any) -> ModelAveragerState:
         """Returns a copy with the given fields replaced.
 
         Args:
-          **changes: ``step=...`` and/or ``averager=...``.
+          **changes: new values by field name, e.g. ``step=...``.
 
         Returns:
           A new ModelAveragerState.
@@ -68,33 +147,104 @@ class ModelAveragerState:
         return dataclasses.replace(self, **changes)
 
 
-def _check_period(period: Any, name: str) -> int:
-    if isinstance(period, bool) or not isinstance(period, (int, jnp.integer)):
-        raise TypeError(f"{name} must be a Python int, got {period!r}.")
-    if period < 1:
-        raise ValueError(f"{name} must be a positive value, got {period}; use 1 or more.")
-    return int(period)
+def _check_state(state: Any, what: str, averager: Any) -> None:
+    if not isinstance(state, ModelAveragerState):
+        raise TypeError(
+            f"{what} expects a ModelAveragerState (from averager.init()), got "
+            f"{type(state).__name__}."
+        )
+    if state.averager is not None and state.averager != averager:
+        raise ValueError(
+            f"{what}: this state belongs to {state.averager!r}, not to {averager!r}; "
+            "use the state that this averager's init() made."
+        )
+    if averager.needs_params and state.anchor is None:
+        raise ValueError(
+            f"{what}: {type(averager).__name__} with outer_optimizer or delta keeps the "
+            "params of the last global average in its state; create the state with "
+            "averager.init(params)."
+        )
+
+
+def _cast_like(tree: Any, like: Any) -> Any:
+    """``tree`` with the dtypes and varying-axes types of ``like`` (cond branches agree)."""
+    return jax.tree.map(
+        lambda x, y: _collectives.cast_varying(jnp.asarray(x).astype(y.dtype), _collectives.vma(y)),
+        tree,
+        like,
+    )
 
 
 class _Averager:
-    """What both averagers share: a step counter and a schedule of group levels.
+    """What both averagers share: options, state, and the branch machinery.
 
-    ``level(step)`` is 0 on steps that do not average, otherwise ``k`` (1-based) for the
-    k-th group of ``groups``. ``average_parameters`` runs a ``lax.switch`` (a ``lax.cond``
-    for a single group) on that level, so at most one group's collective runs per step.
+    ``level(step)`` is 0 on steps that do not average, otherwise ``k`` (1-based): the
+    k-th group of ``groups`` (or, with fragments, the k-th fragment).
     """
 
-    groups: tuple[Group | None, ...]
     warmup_steps: int
+    nonfinite: str
+    outer_optimizer: Any
+    communication_dtype: Any
+    delta: bool
+
+    # -- configuration ----------------------------------------------------------------
+
+    def _check_options(self) -> None:
+        _check_nonfinite(self.nonfinite)
+        if self.outer_optimizer is not None and not hasattr(self.outer_optimizer, "update"):
+            raise TypeError(
+                f"outer_optimizer must be an optax GradientTransformation, got "
+                f"{self.outer_optimizer!r}; e.g. optax.sgd(0.7, momentum=0.9, nesterov=True)."
+            )
+        if not isinstance(self.delta, bool):
+            raise TypeError(f"delta must be True or False, got {self.delta!r}.")
+        if self.communication_dtype is not None:
+            dtype = jnp.dtype(self.communication_dtype)
+            if not jnp.issubdtype(dtype, jnp.floating):
+                raise ValueError(
+                    f"communication_dtype must be a floating dtype such as jnp.bfloat16, "
+                    f"got {self.communication_dtype!r}."
+                )
+            object.__setattr__(self, "communication_dtype", dtype)
+            if self.nonfinite != "propagate":
+                raise ValueError(
+                    "communication_dtype works with nonfinite='propagate' only; the "
+                    f"finiteness check needs the exact all-reduce (got {self.nonfinite!r})."
+                )
+
+    @property
+    def needs_params(self) -> bool:
+        """Whether ``init`` needs the params (outer optimizer or delta averaging)."""
+        return self.outer_optimizer is not None or self.delta
+
+    @property
+    def groups(self) -> tuple[Group | None, ...]:
+        raise NotImplementedError
 
     def level(self, step: Any) -> Any:
         raise NotImplementedError
 
+    def _level(self, state: ModelAveragerState) -> jax.Array:
+        """The level of the current call, from the state's counters only."""
+        return jnp.asarray(self.level(state.step), jnp.int32)
+
     def _resolve_groups(self) -> tuple[Group, ...]:
         raise NotImplementedError
 
-    def init(self) -> ModelAveragerState:
-        """Returns the initial state: ``step == 0``.
+    def _branch_groups(self) -> list[tuple[Group, Callable[[Any], Any] | None, bool]]:
+        """One (group, leaf selector or None, is_global) per nonzero level."""
+        groups = self._resolve_groups()
+        return [(g, None, k == len(groups) - 1) for k, g in enumerate(groups)]
+
+    # -- state ------------------------------------------------------------------------
+
+    def init(self, params: Any = None) -> ModelAveragerState:
+        """Returns the initial state: ``step == 0`` (and the anchor, where needed).
+
+        Args:
+          params: the initial params; required with ``outer_optimizer`` or ``delta``
+            (the anchor of the first global average), ignored otherwise.
 
         Returns:
           A ModelAveragerState.
@@ -104,10 +254,47 @@ class _Averager:
           >>> int(lsgd_jax.PeriodicModelAverager(4).init().step)
           0
         """
-        return ModelAveragerState(step=jnp.zeros([], jnp.int32), averager=self)
+        state = ModelAveragerState(step=jnp.zeros([], jnp.int32), averager=self)
+        if self.needs_params:
+            if params is None:
+                raise ValueError(
+                    f"{type(self).__name__} with outer_optimizer or delta needs the initial "
+                    "params: call averager.init(params)."
+                )
+            anchor = jax.tree.map(jnp.asarray, params)
+            outer = self.outer_optimizer.init(anchor) if self.outer_optimizer else None
+            state = state.replace(anchor=anchor, outer_state=outer)
+        if self._tracks_last_sync:
+            state = state.replace(last_sync=jnp.zeros([], jnp.int32))
+        return state
+
+    _tracks_last_sync = False
+
+    def schedule(self, num_steps: int) -> np.ndarray:
+        """The level of every call from step 0 to ``num_steps - 1``, as a numpy array.
+
+        Works for every option (a callable period included), so it is the way to count
+        averages, e.g. ``(avg.schedule(1000) == len(avg.groups)).sum()`` global ones.
+
+        Args:
+          num_steps: how many calls.
+
+        Returns:
+          An int array of levels (0: no average).
+
+        Example:
+          >>> import lsgd_jax
+          >>> lsgd_jax.PeriodicModelAverager(3, warmup_steps=1).schedule(8).tolist()
+          [0, 1, 0, 0, 1, 0, 0, 1]
+        """
+        return np.array([self.level(s) for s in range(num_steps)], np.int32)
+
+    # -- averaging --------------------------------------------------------------------
 
     def _mean(self, tree: Any, group: Group, step: jax.Array) -> Any:
-        """The group mean of ``tree`` under this averager's non-finite policy."""
+        """The group mean of ``tree`` under this averager's dtype and non-finite policy."""
+        if self.communication_dtype is not None:
+            return _collectives.compressed_mean(tree, group, self.communication_dtype)
         if self.nonfinite == "propagate":
             return _collectives.mean(tree, group)
         averaged, excluded, finite = _collectives.finite_mean(tree, group)
@@ -130,14 +317,95 @@ class _Averager:
         )
         return averaged
 
-    def _switch(self, step: jax.Array, branch: Callable[[Any, Group], Any], identity, operand):
-        """Runs ``branch(operand, group)`` for the level of ``step``, else ``identity``."""
-        groups = self._resolve_groups()
-        branches = [identity] + [lambda op, g=g: branch(op, g) for g in groups]
-        level = self.level(step)
+    def _average(
+        self, params: Any, extra: Any, state: ModelAveragerState, branch: tuple
+    ) -> tuple[Any, Any, ModelAveragerState]:
+        """One level's average of ``params`` (and ``extra`` leaves, same collective)."""
+        group, fragment, is_global = branch
+        anchor = state.anchor
+        if fragment is not None:  # streaming: only this fragment's leaves take part
+            p_in, e_in = fragment.take(params), fragment.take(extra)
+            a_in = fragment.take(anchor) if anchor is not None else None
+        else:
+            p_in, e_in, a_in = params, extra, anchor
+        if self.delta:
+            p_in = jax.tree.map(jnp.subtract, p_in, a_in)
+        mean_p, mean_e = self._mean((p_in, e_in), group, state.step)
+        if self.delta:
+            mean_p = jax.tree.map(jnp.add, a_in, mean_p)
+        if is_global and self.outer_optimizer is not None:
+            pseudo_grad = jax.tree.map(jnp.subtract, a_in, mean_p)
+            updates, outer_state = self.outer_optimizer.update(pseudo_grad, state.outer_state, a_in)
+            # anchor + updates, written so that sgd(1.0) gives the mean exactly:
+            # updates == -pseudo_grad then, so pseudo_grad + updates == 0.
+            mean_p = jax.tree.map(lambda m, g, u: m + (g + u), mean_p, pseudo_grad, updates)
+            state = state.replace(outer_state=_cast_like(outer_state, state.outer_state))
+        if fragment is not None:
+            mean_p, mean_e = fragment.put(params, mean_p), fragment.put(extra, mean_e)
+        if is_global and anchor is not None:
+            state = state.replace(anchor=_cast_like(mean_p, anchor))
+        if self._tracks_last_sync:
+            state = state.replace(last_sync=state.step)
+        return mean_p, mean_e, state
+
+    def _apply(self, operand: Any, state: ModelAveragerState, prepare, finish, passthrough):
+        """The one cond/switch: ``finish(average(prepare(operand)))`` or ``passthrough``.
+
+        ``prepare(operand) -> (params, extra)`` and ``finish(operand, params, extra) ->
+        result`` run inside the averaging branches only; ``passthrough(operand) ->
+        result`` is the branch of the steps that do not average.
+        """
+        branches_spec = self._branch_groups()
+
+        def skip(op, st):
+            return passthrough(op), st
+
+        def make(branch):
+            def run(op, st):
+                params, extra = prepare(op)
+                params, extra, st2 = self._average(params, extra, st, branch)
+                return finish(op, params, extra), _cast_like(st2, st)
+
+            return run
+
+        branches = [skip] + [make(b) for b in branches_spec]
+        level = self._level(state)
         if len(branches) == 2:
-            return lax.cond(level > 0, branches[1], branches[0], operand)
-        return lax.switch(level, branches, operand)
+            return lax.cond(level > 0, branches[1], branches[0], operand, state)
+        return lax.switch(level, branches, operand, state)
+
+    def average_alongside(self, tree: Any, state: ModelAveragerState) -> Any:
+        """The plain group mean of ``tree`` on the steps (and groups) that ``state`` averages.
+
+        For values that follow the params but are not part of them, such as batch-norm
+        statistics: call it with the averager state of the same step (before it was
+        advanced). No anchor, outer optimizer or fragments apply; the step is not advanced.
+
+        Args:
+          tree: the pytree to average.
+          state: the averager's state at this step.
+
+        Returns:
+          The averaged (or unchanged) tree.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, lsgd_jax
+          >>> from jax.sharding import PartitionSpec as P
+          >>> mesh = lsgd_jax.make_mesh(num_nodes=2, devices_per_node=2)
+          >>> avg = lsgd_jax.PeriodicModelAverager(period=2)
+          >>> f = jax.jit(jax.shard_map(avg.average_alongside, mesh=mesh,
+          ...     in_specs=(P(("node", "local")), P()), out_specs=P(("node", "local"))))
+          >>> f(jnp.arange(4.0), avg.init())
+          Array([1.5, 1.5, 1.5, 1.5], dtype=float32)
+        """
+        branches = [lambda t: t] + [
+            functools.partial(lambda t, g: self._mean(t, g, state.step), g=group)
+            for group, _, _ in self._branch_groups()
+        ]
+        level = self._level(state)
+        if len(branches) == 2:
+            return lax.cond(level > 0, branches[1], branches[0], tree)
+        return lax.switch(level, branches, tree)
 
     def average_parameters(
         self, params: Any, state: ModelAveragerState
@@ -166,50 +434,82 @@ class _Averager:
           >>> p, int(s.step)
           (Array([1.5, 1.5, 1.5, 1.5], dtype=float32), 1)
         """
+        return self.average_tree(params, None, state)[::2]
+
+    def average_tree(
+        self, params: Any, extra: Any, state: ModelAveragerState
+    ) -> tuple[Any, Any, ModelAveragerState]:
+        """Like ``average_parameters``, also averaging ``extra`` in the same collective.
+
+        ``extra`` (e.g. momentum buffers, batch-norm statistics) is averaged on the same
+        steps, over the same group, with the same all-reduce as the params, but takes no
+        part in the options that concern the model (anchor, outer optimizer, delta).
+
+        Args:
+          params: this replica's parameters.
+          extra: any pytree to average alongside (None for nothing).
+          state: the averager's state.
+
+        Returns:
+          ``(params, extra, new_state)``.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, lsgd_jax
+          >>> from jax.sharding import PartitionSpec as P
+          >>> mesh = lsgd_jax.make_mesh(num_nodes=2, devices_per_node=2)
+          >>> avg = lsgd_jax.PeriodicModelAverager(period=2)
+          >>> D = P(("node", "local"))
+          >>> f = jax.jit(jax.shard_map(avg.average_tree, mesh=mesh,
+          ...     in_specs=(D, D, P()), out_specs=(D, D, P())))
+          >>> p, m, s = f(jnp.arange(4.0), 10 * jnp.arange(4.0), avg.init())
+          >>> m
+          Array([15., 15., 15., 15.], dtype=float32)
+        """
         _check_state(state, "average_parameters", self)
-        average = functools.partial(self._mean, step=state.step)
-        params = self._switch(state.step, average, lambda p: p, params)
-        return params, state.replace(step=optax.safe_increment(state.step))
-
-
-NONFINITE_POLICIES = ("propagate", "exclude", "skip")
-
-
-def _log_nonfinite(policy: str, step: Any, replica: Any, excluded: Any) -> None:
-    action = {
-        "exclude": "left out of the mean and given the mean of the finite replicas",
-        "skip": "so its group skipped this average and kept its local values",
-    }[policy]
-    logger.warning(
-        "Model averaging at step %s: replica %s has non-finite params (%s of its group "
-        "non-finite); %s.",
-        int(step),
-        int(replica),
-        int(excluded),
-        action,
-    )
-
-
-def _check_nonfinite(policy: Any) -> None:
-    if policy not in NONFINITE_POLICIES:
-        raise ValueError(
-            f"nonfinite must be one of {NONFINITE_POLICIES}, got {policy!r}: 'propagate' "
-            "(PyTorch's behaviour: a NaN spreads to the whole group), 'exclude' (average "
-            "the finite replicas only) or 'skip' (no average for a group with a NaN)."
+        (params, extra), state = self._apply(
+            (params, extra),
+            state,
+            prepare=lambda op: op,
+            finish=lambda op, p, e: (p, e),
+            passthrough=lambda op: op,
         )
+        return params, extra, state.replace(step=optax.safe_increment(state.step))
 
 
-def _check_state(state: Any, what: str, averager: Any) -> None:
-    if not isinstance(state, ModelAveragerState):
-        raise TypeError(
-            f"{what} expects a ModelAveragerState (from averager.init()), got "
-            f"{type(state).__name__}."
-        )
-    if state.averager is not None and state.averager != averager:
-        raise ValueError(
-            f"{what}: this state belongs to {state.averager!r}, not to {averager!r}; "
-            "use the state that this averager's init() made."
-        )
+@dataclasses.dataclass(frozen=True)
+class _Fragment:
+    """Leaves ``k`` of ``K`` near-equal-size fragments of a pytree (greedy by bytes)."""
+
+    k: int
+    count: int
+
+    def _indices(self, leaves: list[Any]) -> list[int]:
+        loads = [0] * self.count
+        owner = []
+        for x in leaves:
+            i = loads.index(min(loads))
+            owner.append(i)
+            loads[i] += int(np.prod(jnp.shape(x))) * jnp.dtype(jnp.result_type(x)).itemsize
+        return [j for j, o in enumerate(owner) if o == self.k]
+
+    def take(self, tree: Any) -> list[Any]:
+        leaves = jax.tree.leaves(tree)
+        return [leaves[j] for j in self._indices(leaves)]
+
+    def put(self, tree: Any, values: list[Any]) -> Any:
+        leaves, treedef = jax.tree.flatten(tree)
+        for j, v in zip(self._indices(leaves), values):
+            leaves[j] = v
+        return jax.tree.unflatten(treedef, leaves)
+
+
+def _options() -> dict[str, Any]:
+    return {
+        "nonfinite": dataclasses.field(default="propagate", kw_only=True),
+        "outer_optimizer": dataclasses.field(default=None, kw_only=True),
+        "communication_dtype": dataclasses.field(default=None, kw_only=True),
+        "delta": dataclasses.field(default=False, kw_only=True),
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,37 +522,48 @@ class PeriodicModelAverager(_Averager):
     :func:`post_local_sgd`, set ``warmup_steps == start_localSGD_iter``.
 
     An immutable, hashable config; the step counter lives in the state from ``init()``.
+    Every option below is off by default, which is PyTorch's behaviour exactly.
 
     Args:
-      period: steps between averages (>= 1; 1 warns, as plain DDP is then cheaper).
+      period: steps between averages (>= 1; 1 warns, as plain DDP is then cheaper); or
+        a schedule ``period(step) -> int`` (jit-able, e.g. ``lambda s: jnp.where(s <
+        1000, 16, 4)``): the average at step ``s`` happens when ``s == warmup_steps`` or
+        ``s - last_average >= period(s)`` (AdaComm-style: Wang & Joshi, "Adaptive
+        Communication Strategies to Achieve the Best Error-Runtime Trade-off in Local-Update
+        SGD", SysML 2019). For a constant schedule this is the same rule.
       warmup_steps: steps before the first average (>= 0).
       process_group: the axes to average over; None: every mapped axis bound where it runs.
-      nonfinite: what a replica with NaN/Inf params does to an average: ``"propagate"``
-        (default, PyTorch's behaviour: the whole group becomes NaN), ``"exclude"`` (the
-        mean of the finite replicas only, which the non-finite ones also receive:
-        ``average_parameters`` heals them; through ``model_averaging`` a replica whose
-        update is non-finite is healed, but one whose params already are stays so,
-        since ``apply_updates`` adds to them, and cannot spread) or ``"skip"``
-        (a group with a non-finite replica does not average this time). Either of the
-        last two logs a warning naming the replica and step, through the ``"lsgd_jax"``
-        logger (a host callback, compiled in while that logger is enabled for WARNING
-        at trace time); still one collective per average.
-
+      fragments: split the params into this many near-equal fragments (by leaves) and
+        average one fragment at a time, round robin, each every ``period`` steps, the
+        k-th offset by ``k * period / fragments`` steps: the peak cross-node traffic per
+        step drops ``fragments`` times (Streaming DiLoCo, Douillard et al., 2025).
+        ``period`` must be an int divisible by ``fragments``.{options}
     Example:
       >>> import lsgd_jax
       >>> avg = lsgd_jax.PeriodicModelAverager(period=4, warmup_steps=2)
       >>> [s for s in range(12) if avg.level(s)]
       [2, 6, 10]
+
+    References:
+      Lin, Stich, Patel, Jaggi, `Don't Use Large Mini-Batches, Use Local SGD
+      <https://arxiv.org/abs/1808.07217>`_, ICLR 2020.
     """
 
-    period: int
+    period: int | Callable[[jax.Array], Any]
     warmup_steps: int = 0
     process_group: GroupSpec = None
-    nonfinite: str = dataclasses.field(default="propagate", kw_only=True)
+    fragments: int = dataclasses.field(default=1, kw_only=True)
+    nonfinite: str = _options()["nonfinite"]
+    outer_optimizer: Any = _options()["outer_optimizer"]
+    communication_dtype: Any = _options()["communication_dtype"]
+    delta: bool = _options()["delta"]
 
     def __post_init__(self) -> None:
-        _check_nonfinite(self.nonfinite)
-        object.__setattr__(self, "period", _check_period(self.period, "period"))
+        self._check_options()
+        if not callable(self.period):
+            object.__setattr__(self, "period", _check_period(self.period, "period"))
+            if self.period == 1:
+                warnings.warn(_PERIOD_ONE, stacklevel=3)
         object.__setattr__(
             self, "warmup_steps", check_nonnegative_int(self.warmup_steps, "warmup_steps")
         )
@@ -261,34 +572,89 @@ class PeriodicModelAverager(_Averager):
             "process_group",
             _collectives.normalize_group(self.process_group, "process_group"),
         )
-        if self.period == 1:
-            warnings.warn(_PERIOD_ONE, stacklevel=3)
+        k = _check_period(self.fragments, "fragments")
+        if k > 1:
+            if callable(self.period) or self.period % k:
+                raise ValueError(
+                    f"fragments={k} needs an int period divisible by it, got period="
+                    f"{self.period!r}; e.g. period={4 * k}."
+                )
+            if self.outer_optimizer is not None:
+                raise ValueError(
+                    "fragments with an outer_optimizer is not supported; use one or the other."
+                )
 
     @property
-    def groups(self) -> tuple[Group | None, ...]:  # type: ignore[override]
+    def _tracks_last_sync(self) -> bool:  # type: ignore[override]
+        return callable(self.period)
+
+    @property
+    def groups(self) -> tuple[Group | None, ...]:
         return (self.process_group,)
 
     def level(self, step: Any) -> Any:
-        """1 if a call at ``step`` averages, else 0 (Python ints or JAX arrays).
+        """Which call averages: 0 for none, else 1 (or the fragment number, 1-based).
 
         Args:
-          step: the averager's step count (int or int array).
+          step: the averager's step count (Python int or int array).
 
         Returns:
-          0 or 1, of the same kind as ``step``.
+          The level, of the same kind as ``step``.
 
         Example:
           >>> import lsgd_jax
           >>> [lsgd_jax.PeriodicModelAverager(2, warmup_steps=1).level(s) for s in range(5)]
           [0, 1, 0, 1, 0]
+          >>> [lsgd_jax.PeriodicModelAverager(4, fragments=2).level(s) for s in range(6)]
+          [1, 0, 2, 0, 1, 0]
         """
+        if callable(self.period):
+            raise TypeError(
+                "With a period schedule the level depends on the last average, not on the "
+                "step alone: use averager.schedule(num_steps)."
+            )
+        stride = self.period // self.fragments
         after = step - self.warmup_steps
-        hit = (step >= self.warmup_steps) & (after % self.period == 0)
-        return jnp.astype(hit, jnp.int32) if isinstance(hit, jax.Array) else int(hit)
+        on = (step >= self.warmup_steps) & (after % stride == 0)
+        which = (after // stride) % self.fragments + 1
+        if isinstance(on, jax.Array) or isinstance(step, jax.Array):
+            return jnp.where(on, which, 0).astype(jnp.int32)
+        return int(which) if on else 0
+
+    def _level(self, state: ModelAveragerState) -> jax.Array:
+        if not callable(self.period):
+            return super()._level(state)
+        step = state.step
+        period = jnp.asarray(self.period(step), jnp.int32)
+        on = (step == self.warmup_steps) | (step - state.last_sync >= period)
+        return ((step >= self.warmup_steps) & on).astype(jnp.int32)
+
+    def schedule(self, num_steps: int) -> np.ndarray:
+        if not callable(self.period):
+            return super().schedule(num_steps)
+        out, last = [], 0
+        for s in range(num_steps):
+            hit = s >= self.warmup_steps and (
+                s == self.warmup_steps or s - last >= int(self.period(jnp.int32(s)))
+            )
+            out.append(int(hit))
+            last = s if hit else last
+        return np.array(out, np.int32)
+
+    schedule.__doc__ = _Averager.schedule.__doc__
 
     def _resolve_groups(self) -> tuple[Group, ...]:
         what = "PeriodicModelAverager"
         return (_collectives.resolve(self.process_group, _collectives.global_axes(what), what),)
+
+    def _branch_groups(self) -> list[tuple[Group, Any, bool]]:
+        (group,) = self._resolve_groups()
+        if self.fragments == 1:
+            return [(group, None, True)]
+        return [(group, _Fragment(k, self.fragments), True) for k in range(self.fragments)]
+
+
+PeriodicModelAverager.__doc__ = PeriodicModelAverager.__doc__.format(options=_OPTIONS_DOC)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,7 +673,9 @@ class HierarchicalModelAverager(_Averager):
       warmup_steps: steps before the first average (>= 0).
       process_group: the global axes, to check the last group against at construction;
         None: checked where it runs, against every bound mapped axis.
-      nonfinite: ``"propagate"``, ``"exclude"`` or ``"skip"``; see PeriodicModelAverager.
+      nonfinite, outer_optimizer, communication_dtype, delta: as for
+        PeriodicModelAverager; the outer optimizer acts at the global (last) level, and
+        the anchor is the params at the last global average.
 
     Example:
       >>> import lsgd_jax
@@ -320,10 +688,13 @@ class HierarchicalModelAverager(_Averager):
     period_group_dict: Mapping[int, GroupSpec]
     warmup_steps: int = 0
     process_group: GroupSpec = None
-    nonfinite: str = dataclasses.field(default="propagate", kw_only=True)
+    nonfinite: str = _options()["nonfinite"]
+    outer_optimizer: Any = _options()["outer_optimizer"]
+    communication_dtype: Any = _options()["communication_dtype"]
+    delta: bool = _options()["delta"]
 
     def __post_init__(self) -> None:
-        _check_nonfinite(self.nonfinite)
+        self._check_options()
         d = self.period_group_dict
         if not isinstance(d, Mapping) or not d:
             raise ValueError(
@@ -386,7 +757,7 @@ class HierarchicalModelAverager(_Averager):
         return tuple(p for p, _ in self.period_group_dict)
 
     @property
-    def groups(self) -> tuple[Group | None, ...]:  # type: ignore[override]
+    def groups(self) -> tuple[Group | None, ...]:
         return tuple(g for _, g in self.period_group_dict)
 
     def level(self, step: Any) -> Any:
@@ -427,138 +798,13 @@ class HierarchicalModelAverager(_Averager):
 Averager = Union[PeriodicModelAverager, HierarchicalModelAverager]
 
 
-def _check_averager(averager: Any, what: str) -> None:
+Averager = Union[PeriodicModelAverager, HierarchicalModelAverager]
+
+
+def check_averager(averager: Any, what: str) -> None:
+    """Raises TypeError unless ``averager`` is one of ours."""
     if not isinstance(averager, _Averager):
         raise TypeError(
             f"{what} expects a PeriodicModelAverager or HierarchicalModelAverager, got "
             f"{averager!r}."
         )
-
-
-def model_averaging(averager: Averager) -> optax.GradientTransformationExtraArgs:
-    """Model averaging as the last transformation of an ``optax.chain``.
-
-    On the steps where ``averager`` averages, the incoming updates ``u`` are replaced by
-    ``mean(params + u) - params`` (the mean over the averager's group), so that
-    ``optax.apply_updates`` moves every replica to the group mean; on other steps ``u``
-    passes through unchanged, and the addition, the collective and the subtraction all
-    sit inside the untaken branch of a ``lax.cond``/``lax.switch``.
-
-    This path is exact only up to rounding: ``apply_updates`` adds ``params + (mean -
-    params)``, which need not equal ``mean`` in floating point, so replicas can differ in
-    the last bit after an average. For bitwise-identical replicas call
-    ``averager.average_parameters(params, state)`` after ``optax.apply_updates`` instead.
-
-    Args:
-      averager: a PeriodicModelAverager or HierarchicalModelAverager.
-
-    Returns:
-      An optax.GradientTransformationExtraArgs whose state is a ModelAveragerState; its
-      update requires ``params``.
-
-    Example:
-      >>> import optax, lsgd_jax
-      >>> tx = optax.chain(
-      ...     lsgd_jax.post_local_sgd(start_localSGD_iter=10),
-      ...     optax.adamw(1e-3),
-      ...     lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(4, warmup_steps=10)),
-      ... )
-    """
-    _check_averager(averager, "model_averaging")
-
-    def init_fn(params: optax.Params) -> ModelAveragerState:
-        del params
-        return averager.init()
-
-    def update_fn(updates, state, params=None, **extra_args):
-        del extra_args
-        if params is None:
-            raise ValueError(
-                "model_averaging needs the current params: call "
-                "tx.update(grads, opt_state, params) (optax's third argument)."
-            )
-        _check_state(state, "model_averaging", averager)
-
-        def to_mean(operand, group):
-            u, p = operand
-            new = jax.tree.map(
-                lambda pi, ui: jnp.asarray(pi + ui).astype(jnp.result_type(pi)), p, u
-            )
-            new = averager._mean(new, group, state.step)
-            out = jax.tree.map(
-                lambda ni, pi, ui: (
-                    (ni - pi).astype(jnp.result_type(ui)) if _collectives.is_averaged(ui) else ui
-                ),
-                new,
-                p,
-                u,
-            )
-            return _collectives.cast_tree_like(out, u, p)
-
-        def passthrough(operand):
-            u, p = operand
-            return _collectives.cast_tree_like(u, u, p)
-
-        new_updates = averager._switch(state.step, to_mean, passthrough, (updates, params))
-        return new_updates, state.replace(step=optax.safe_increment(state.step))
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-class PostLocalSGDOptimizerState(NamedTuple):
-    """The state of :func:`post_local_sgd_optimizer`.
-
-    Attributes:
-      inner_state: the wrapped optimizer's state (never averaged).
-      averager_state: the averager's ModelAveragerState; restoring it from a checkpoint
-        keeps the averaging schedule (no second warm-up).
-    """
-
-    inner_state: optax.OptState
-    averager_state: ModelAveragerState
-
-
-def post_local_sgd_optimizer(
-    optim: optax.GradientTransformation, averager: Averager
-) -> optax.GradientTransformationExtraArgs:
-    """The optax form of PyTorch's ``PostLocalSGDOptimizer``: step, then average.
-
-    Runs ``optim``, then :func:`model_averaging` with ``averager`` on the result. Its
-    state holds the inner optimizer's state (which is never averaged, as in PyTorch) and
-    the averager's step, so a restored checkpoint resumes the averaging schedule instead
-    of redoing the warm-up. Use it after :func:`post_local_sgd` in an ``optax.chain``.
-
-    Args:
-      optim: the local optimizer (any optax GradientTransformation).
-      averager: a PeriodicModelAverager or HierarchicalModelAverager.
-
-    Returns:
-      An optax.GradientTransformationExtraArgs with a PostLocalSGDOptimizerState.
-
-    Example:
-      >>> import optax, lsgd_jax
-      >>> tx = optax.chain(
-      ...     lsgd_jax.post_local_sgd(start_localSGD_iter=100),
-      ...     lsgd_jax.post_local_sgd_optimizer(
-      ...         optax.sgd(0.1, momentum=0.9),
-      ...         lsgd_jax.PeriodicModelAverager(period=4, warmup_steps=100)),
-      ... )
-    """
-    _check_averager(averager, "post_local_sgd_optimizer")
-    inner = optax.with_extra_args_support(optim)
-    averaging = model_averaging(averager)
-
-    def init_fn(params: optax.Params) -> PostLocalSGDOptimizerState:
-        return PostLocalSGDOptimizerState(inner.init(params), averaging.init(params))
-
-    def update_fn(updates, state, params=None, **extra_args):
-        if params is None:
-            raise ValueError(
-                "post_local_sgd_optimizer needs the current params: call "
-                "tx.update(grads, opt_state, params)."
-            )
-        updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
-        updates, averager_state = averaging.update(updates, state.averager_state, params)
-        return updates, PostLocalSGDOptimizerState(inner_state, averager_state)
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

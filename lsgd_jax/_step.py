@@ -49,7 +49,7 @@ def _average_like_params(model_state: Any, opt_state: Any) -> Any:
             "model state there must be at most one, to know when to average it."
         )
     (state,) = states
-    return state.averager._switch(state.step, _collectives.mean, lambda m: m, model_state)
+    return state.averager.average_alongside(model_state, state)
 
 
 def _metrics_mean(tree: Any, axes: tuple[str, ...]) -> Any:

@@ -1,0 +1,154 @@
+"""What the library costs: an lsgd_jax step against a hand-written step, same collectives.
+
+Run: python benchmarks/overhead.py [--reps 30]
+
+On 8 simulated CPU devices (2 nodes x 4), for a small MLP and a ~10M-parameter MLP, it
+times three phases of a training step built with lsgd_jax.data_parallel_step and
+`optax.chain(post_local_sgd, sgd(momentum), model_averaging(PeriodicModelAverager))`:
+
+- before the switch (global gradient mean),
+- after the switch, a step that does not average (node-local gradient mean),
+- after the switch, an averaging step (node-local gradient mean + global model mean),
+
+against a hand-written shard_map step per phase that does the same math with plain
+`lax.pmean` and no conditionals (the phase is chosen in Python, one jitted function
+each). Repetitions are interleaved (lsgd, hand, lsgd, hand, ...) with the same inputs;
+the table reports medians and the median of the per-pair ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import lsgd_jax  # noqa: E402
+
+D = P(("node", "local"))
+LR, MOMENTUM, PERIOD = 0.01, 0.9, 4
+
+
+def mlp(sizes, key):
+    keys = jax.random.split(key, len(sizes) - 1)
+    return [
+        {"w": jax.random.normal(k, (a, b)) / np.sqrt(a), "b": jnp.zeros(b)}
+        for k, a, b in zip(keys, sizes[:-1], sizes[1:])
+    ]
+
+
+def loss_fn(params, batch):
+    h = batch["x"]
+    for layer in params[:-1]:
+        h = jnp.tanh(h @ layer["w"] + layer["b"])
+    out = h @ params[-1]["w"] + params[-1]["b"]
+    return jnp.mean((out - batch["y"]) ** 2)
+
+
+def hand_step(mesh, phase):
+    """The same math, written by hand: one jitted function per phase, no cond."""
+    sgd = optax.sgd(LR, momentum=MOMENTUM)
+
+    def body(params, opt_state, batch):
+        params, opt_state = jax.tree.map(lambda x: x[0], (params, opt_state))
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        axes = ("node", "local") if phase == "before" else "local"
+        grads = lax.pmean(grads, axes)
+        updates, opt_state = sgd.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        if phase == "average":
+            params = lax.pmean(params, ("node", "local"))
+        loss = lax.pmean(loss, ("node", "local"))
+        return jax.tree.map(lambda x: x[None], (params, opt_state)) + (loss,)
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(D, D, D), out_specs=(D, D, P())))
+
+
+def lsgd_step(mesh, phase):
+    start = 10**6 if phase == "before" else 0
+    averager = lsgd_jax.PeriodicModelAverager(PERIOD, warmup_steps=start)
+    tx = optax.chain(
+        lsgd_jax.post_local_sgd(start),
+        optax.sgd(LR, momentum=MOMENTUM),
+        lsgd_jax.model_averaging(averager),
+    )
+    step = lsgd_jax.data_parallel_step(loss_fn, tx, mesh, donate=False, max_in_flight=None)
+    return step, tx
+
+
+def timed(f, *args):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    return time.perf_counter() - t0
+
+
+def bench(name, sizes, batch_per_replica, reps, mesh):
+    params = mlp(sizes, jax.random.key(0))
+    n = mesh.devices.size
+    rng = np.random.default_rng(0)
+    batch = {
+        "x": rng.standard_normal((n * batch_per_replica, sizes[0]), np.float32),
+        "y": rng.standard_normal((n * batch_per_replica, sizes[-1]), np.float32),
+    }
+    batch = jax.device_put(batch, NamedSharding(mesh, D))
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    rows = []
+    for phase in ("before", "local", "average"):
+        step, tx = lsgd_step(mesh, phase)
+        state = tx.init(params)
+        if phase == "local":  # an averager step that does not average
+            state = (state[0], state[1], state[2].replace(step=jnp.int32(1)))
+        p, s = lsgd_jax.replicate(params, mesh), lsgd_jax.replicate(state, mesh)
+        hand = hand_step(mesh, phase)
+        hp = lsgd_jax.replicate(params, mesh)
+        hs = lsgd_jax.replicate(optax.sgd(LR, momentum=MOMENTUM).init(params), mesh)
+        # the two compute the same thing
+        a, b = step(p, s, batch)[0], hand(hp, hs, batch)[0]
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_allclose(x, y, rtol=2e-5, atol=1e-6)
+        for _ in range(3):  # warm up
+            timed(step, p, s, batch)
+            timed(hand, hp, hs, batch)
+        ts_l, ts_h = [], []
+        for _ in range(reps):
+            ts_l.append(timed(step, p, s, batch))
+            ts_h.append(timed(hand, hp, hs, batch))
+        ratios = [a / b for a, b in zip(ts_l, ts_h)]
+        q = statistics.quantiles(ratios, n=4)
+        rows.append(
+            (name, f"{n_params:,}", phase, statistics.median(ts_l) * 1e3,
+             statistics.median(ts_h) * 1e3, statistics.median(ratios), q[0], q[2])
+        )
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--only-small", action="store_true")
+    args = parser.parse_args(argv)
+    mesh = lsgd_jax.make_mesh(2, 4)
+    rows = bench("small MLP", [64, 256, 256, 10], 32, args.reps, mesh)
+    if not args.only_small:
+        rows += bench("MLP ~10M", [1024, 2048, 2048, 1024, 10], 16, args.reps, mesh)
+    print(f"Median step time over {args.reps} interleaved repetitions, 8 simulated CPU devices "
+          f"(2 nodes x 4), jax {jax.__version__}.\n")
+    print("| model | params | phase | lsgd_jax (ms) | hand-written (ms) | ratio (median) | ratio IQR |")
+    print("|---|---:|---|---:|---:|---:|---|")
+    for name, n, phase, tl, th, r, q1, q3 in rows:
+        print(f"| {name} | {n} | {phase} | {tl:.2f} | {th:.2f} | {r:.3f} | {q1:.3f}-{q3:.3f} |")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
