@@ -291,13 +291,13 @@ class _Averager:
 
     # -- averaging --------------------------------------------------------------------
 
-    def _mean(self, tree: Any, group: Group, step: jax.Array) -> Any:
+    def _mean(self, tree: Any, group: Group, step: jax.Array, cast: bool = True) -> Any:
         """The group mean of ``tree`` under this averager's dtype and non-finite policy."""
         if self.communication_dtype is not None:
-            return _collectives.compressed_mean(tree, group, self.communication_dtype)
+            return _collectives.compressed_mean(tree, group, self.communication_dtype, cast)
         if self.nonfinite == "propagate":
-            return _collectives.mean(tree, group)
-        averaged, excluded, finite = _collectives.finite_mean(tree, group)
+            return _collectives.mean(tree, group, cast)
+        averaged, excluded, finite = _collectives.finite_mean(tree, group, cast)
         if self.nonfinite == "skip":
             averaged = jax.tree.map(
                 lambda a, t: jnp.where(excluded > 0, t, a) if _collectives.is_averaged(t) else t,
@@ -330,7 +330,8 @@ class _Averager:
             p_in, e_in, a_in = params, extra, anchor
         if self.delta:
             p_in = jax.tree.map(jnp.subtract, p_in, a_in)
-        mean_p, mean_e = self._mean((p_in, e_in), group, state.step)
+        # Uncast means: a global mean is invariant, so it can become a replicated anchor.
+        mean_p, mean_e = self._mean((p_in, e_in), group, state.step, cast=False)
         if self.delta:
             mean_p = jax.tree.map(jnp.add, a_in, mean_p)
         if is_global and self.outer_optimizer is not None:
@@ -344,6 +345,7 @@ class _Averager:
             mean_p, mean_e = fragment.put(params, mean_p), fragment.put(extra, mean_e)
         if is_global and anchor is not None:
             state = state.replace(anchor=_cast_like(mean_p, anchor))
+        mean_p, mean_e = _cast_like(mean_p, params), _cast_like(mean_e, extra)
         if self._tracks_last_sync:
             state = state.replace(last_sync=state.step)
         return mean_p, mean_e, state

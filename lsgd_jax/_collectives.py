@@ -312,13 +312,16 @@ def _psum(operands: list[jax.Array], group: Group) -> list[jax.Array]:
     return lax.psum(operands, group)
 
 
-def _restore(out: list[Any], leaves: list[Any], picked: list[int], values: list[jax.Array]):
+def _restore(
+    out: list[Any], leaves: list[Any], picked: list[int], values: list[jax.Array], cast: bool
+):
     for i, v in zip(picked, values):
-        out[i] = cast_varying(v.astype(jnp.result_type(leaves[i])), vma(leaves[i]))
+        v = v.astype(jnp.result_type(leaves[i]))
+        out[i] = cast_varying(v, vma(leaves[i])) if cast else v
     return out
 
 
-def mean(tree: Any, group: Group) -> Any:
+def mean(tree: Any, group: Group, cast: bool = True) -> Any:
     """The mean of every inexact leaf of ``tree`` over ``group``; keeps leaf types.
 
     All averaged leaves go into one collective (a variadic all-reduce), as PyTorch
@@ -326,7 +329,8 @@ def mean(tree: Any, group: Group) -> Any:
     float16) are summed in float32 and rounded once at the end. Each leaf keeps its dtype
     and its varying-axes type, so the result can be returned from one branch of a
     ``lax.cond`` whose other branch returns ``tree`` unchanged. Integer and boolean
-    leaves pass unchanged.
+    leaves pass unchanged. ``cast=False`` keeps the collective's own, narrower
+    varying-axes type (a global mean is then invariant).
     """
     leaves, treedef = jax.tree.flatten(tree)
     picked = [i for i, x in enumerate(leaves) if is_averaged(x)]
@@ -334,11 +338,11 @@ def mean(tree: Any, group: Group) -> Any:
         return tree
     size = group_size(group)
     sums = _psum([leaves[i].astype(accumulation_dtype(leaves[i].dtype)) for i in picked], group)
-    out = _restore(list(leaves), leaves, picked, [s / size for s in sums])
+    out = _restore(list(leaves), leaves, picked, [s / size for s in sums], cast)
     return jax.tree.unflatten(treedef, out)
 
 
-def finite_mean(tree: Any, group: Group) -> tuple[Any, jax.Array, jax.Array]:
+def finite_mean(tree: Any, group: Group, cast: bool = True) -> tuple[Any, jax.Array, jax.Array]:
     """The mean over the replicas of ``group`` whose leaves are all finite.
 
     A replica with any NaN or Inf in any averaged leaf of ``tree`` is left out of the
@@ -365,11 +369,26 @@ def finite_mean(tree: Any, group: Group) -> tuple[Any, jax.Array, jax.Array]:
         jnp.where(count > 0, s / jnp.maximum(count, 1), leaves[i]) for s, i in zip(sums, picked)
     ]
     excluded = (group_size(group) - count).astype(jnp.int32)
-    out = jax.tree.unflatten(treedef, _restore(list(leaves), leaves, picked, means))
+    out = jax.tree.unflatten(treedef, _restore(list(leaves), leaves, picked, means, cast))
     return out, excluded, finite
 
 
-def compressed_mean(tree: Any, group: Group, dtype: Any) -> Any:
+def _all_gather(x: jax.Array, axis: Any, kwargs: dict) -> jax.Array:
+    """A tiled all_gather whose result is typed invariant over ``axis`` where JAX can.
+
+    ``lax.all_gather`` types its result as varying, though every replica holds the same
+    values; JAX's ``all_gather_invariant`` (not yet public) says so, which lets the
+    result become a replicated (``P()``) value, e.g. an averager's anchor.
+    """
+    from jax._src.lax import parallel
+
+    invariant = getattr(parallel, "all_gather_invariant", None)
+    if invariant is not None and not kwargs:
+        return invariant(x, axis, tiled=True)
+    return lax.all_gather(x, axis, tiled=True, **kwargs)
+
+
+def compressed_mean(tree: Any, group: Group, dtype: Any, cast: bool = True) -> Any:
     """The mean of every inexact leaf over ``group``, sent in ``dtype``, summed in f32.
 
     The averaged leaves are flattened into one buffer, cast to ``dtype`` (e.g. bfloat16)
@@ -401,12 +420,13 @@ def compressed_mean(tree: Any, group: Group, dtype: Any) -> Any:
     buf = jnp.pad(flat, (0, (-size) % n)).astype(dtype).reshape(n, -1)
     received = lax.all_to_all(buf, axis, 0, 0, **kwargs)
     chunk_mean = received.astype(jnp.float32).sum(axis=0) / n
-    full = lax.all_gather(chunk_mean.astype(dtype), axis, tiled=True, **kwargs)
+    full = _all_gather(chunk_mean.astype(dtype), axis, kwargs)
     full = full.astype(jnp.float32)[:size]
     out, offset = list(leaves), 0
     for i in picked:
         x = leaves[i]
         piece = full[offset : offset + x.size].reshape(x.shape)
         offset += x.size
-        out[i] = cast_varying(piece.astype(x.dtype), vma(x))
+        piece = piece.astype(x.dtype)
+        out[i] = cast_varying(piece, vma(x)) if cast else piece
     return jax.tree.unflatten(treedef, out)

@@ -145,6 +145,15 @@ def _type_bytes(type_str: str) -> int:
     return total
 
 
+def _operand_bytes(kind: str, result_bytes: int, group_size: int) -> int:
+    """The bytes one device puts into a collective, from the bytes of its result."""
+    if kind == "all-gather":
+        return result_bytes // group_size
+    if kind == "reduce-scatter":
+        return result_bytes * group_size
+    return result_bytes
+
+
 def _split_type(rhs: str) -> tuple[str, str]:
     """Splits ``'(f32[3], s32[]) all-reduce(...), ...'`` into the type and the rest."""
     if rhs.startswith("("):
@@ -282,10 +291,7 @@ def parse_hlo(text: str, mesh: Any = None, num_devices: int | None = None) -> Co
             nbytes = _type_bytes(type_str)
             if opcode.endswith("-start") and type_str.startswith("(") and kind != "all-reduce":
                 nbytes //= 2  # async start returns (operands, results); count the operands
-            if kind == "all-gather":
-                nbytes //= size
-            elif kind == "reduce-scatter":
-                nbytes *= size
+            nbytes = _operand_bytes(kind, nbytes, size)
             op = re.search(r'op_name="([^"]*)"', rest)
             out.append(
                 Collective(
@@ -402,7 +408,7 @@ def parse_stablehlo(text: str, mesh: Any = None) -> CommunicationReport:
                 group_size=size,
                 num_groups=len(groups),
                 axes=_axes_of(groups, mesh) if groups != ((),) else None,
-                bytes=_mlir_bytes(result_types),
+                bytes=_operand_bytes(_MLIR_KINDS[m.group(1)], _mlir_bytes(result_types), size),
                 conditional=bool(stack),
                 name=stripped.split("=", 1)[0].strip(),
                 computation="",
