@@ -1,10 +1,10 @@
 """Digits CNN (Flax NNX): DDP against post-local SGD, flat and hierarchical, on 2 x 4 devices.
 
 Run ``python examples/digits_cnn.py`` (about a minute on 2 CPU cores), or with ``--quick``
-(48 steps, about 20 s, most of it compiling the four steps). It trains one small convolutional network with batch normalization on
-scikit-learn's digits (8x8 images, 10 classes, shipped with scikit-learn) on 8 simulated
-CPU devices arranged as 2 nodes x 4 devices (``lsgd_jax.make_mesh(2, 4)``), four times
-with the same data order and seed:
+(48 steps, about 20 s, most of it compiling the four steps). It trains one small
+convolutional network with batch normalization on scikit-learn's digits (8x8 images, 10
+classes, shipped with scikit-learn) on 8 simulated CPU devices arranged as 2 nodes x 4
+devices (``lsgd_jax.make_mesh(2, 4)``), four times with the same data order and seed:
 
 - DDP: ``post_local_sgd(start_localSGD_iter=steps)``, so gradients are averaged over all
   8 replicas on every step (what a plain data-parallel step does).
