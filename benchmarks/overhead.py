@@ -126,8 +126,16 @@ def bench(name, sizes, batch_per_replica, reps, mesh):
         ratios = [a / b for a, b in zip(ts_l, ts_h)]
         q = statistics.quantiles(ratios, n=4)
         rows.append(
-            (name, f"{n_params:,}", phase, statistics.median(ts_l) * 1e3,
-             statistics.median(ts_h) * 1e3, statistics.median(ratios), q[0], q[2])
+            (
+                name,
+                f"{n_params:,}",
+                phase,
+                statistics.median(ts_l) * 1e3,
+                statistics.median(ts_h) * 1e3,
+                statistics.median(ratios),
+                q[0],
+                q[2],
+            )
         )
     return rows
 
@@ -141,9 +149,14 @@ def main(argv=None):
     rows = bench("small MLP", [64, 256, 256, 10], 32, args.reps, mesh)
     if not args.only_small:
         rows += bench("MLP ~10M", [1024, 2048, 2048, 1024, 10], 16, args.reps, mesh)
-    print(f"Median step time over {args.reps} interleaved repetitions, 8 simulated CPU devices "
-          f"(2 nodes x 4), jax {jax.__version__}.\n")
-    print("| model | params | phase | lsgd_jax (ms) | hand-written (ms) | ratio (median) | ratio IQR |")
+    print(
+        f"Median step time over {args.reps} interleaved repetitions, 8 simulated CPU devices "
+        f"(2 nodes x 4), jax {jax.__version__}.\n"
+    )
+    print(
+        "| model | params | phase | lsgd_jax (ms) | hand-written (ms) "
+        "| ratio (median) | ratio IQR |"
+    )
     print("|---|---:|---|---:|---:|---:|---|")
     for name, n, phase, tl, th, r, q1, q3 in rows:
         print(f"| {name} | {n} | {phase} | {tl:.2f} | {th:.2f} | {r:.3f} | {q1:.3f}-{q3:.3f} |")

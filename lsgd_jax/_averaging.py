@@ -371,10 +371,11 @@ class _Averager:
             return run
 
         branches = [skip] + [make(b) for b in branches_spec]
-        level = self._level(state)
-        if len(branches) == 2:
-            return lax.cond(level > 0, branches[1], branches[0], operand, state)
-        return lax.switch(level, branches, operand, state)
+        with jax.named_scope("model_averaging"):  # names its collectives in the HLO
+            level = self._level(state)
+            if len(branches) == 2:
+                return lax.cond(level > 0, branches[1], branches[0], operand, state)
+            return lax.switch(level, branches, operand, state)
 
     def average_alongside(self, tree: Any, state: ModelAveragerState) -> Any:
         """The plain group mean of ``tree`` on the steps (and groups) that ``state`` averages.
@@ -404,10 +405,11 @@ class _Averager:
             functools.partial(lambda t, g: self._mean(t, g, state.step), g=group)
             for group, _, _ in self._branch_groups()
         ]
-        level = self._level(state)
-        if len(branches) == 2:
-            return lax.cond(level > 0, branches[1], branches[0], tree)
-        return lax.switch(level, branches, tree)
+        with jax.named_scope("model_state_averaging"):
+            level = self._level(state)
+            if len(branches) == 2:
+                return lax.cond(level > 0, branches[1], branches[0], tree)
+            return lax.switch(level, branches, tree)
 
     def average_parameters(
         self, params: Any, state: ModelAveragerState

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
@@ -91,9 +92,11 @@ def post_localSGD_hook(state: PostLocalSGDState, grads: Any) -> tuple[Any, PostL
             return grads, state
         return _collectives.mean(grads, subgroup), state
 
-    if state.start_localSGD_iter == 0:  # static: local from the first step, no cond
-        return local_step(grads, state)
-    return lax.cond(state.iter < state.start_localSGD_iter, global_step, local_step, grads, state)
+    with jax.named_scope("post_localSGD_hook"):  # names its collectives in the HLO
+        if state.start_localSGD_iter == 0:  # static: local from the first step, no cond
+            return local_step(grads, state)
+        pred = state.iter < state.start_localSGD_iter
+        return lax.cond(pred, global_step, local_step, grads, state)
 
 
 def post_local_sgd(

@@ -49,6 +49,9 @@ _CALLEES = re.compile(
 _BRANCHES = re.compile(r"\b(branch_computations|called_computations)=\{([^}]*)\}")
 
 
+SCOPES = ("post_localSGD_hook", "model_averaging", "model_state_averaging", "metrics")
+
+
 @dataclasses.dataclass(frozen=True)
 class Collective:
     """One collective operation of a compiled program.
@@ -79,6 +82,13 @@ class Collective:
     op_name: str
     replica_groups: tuple[tuple[int, ...], ...]
 
+    @property
+    def scope(self) -> str:
+        """Which part of lsgd_jax made it (``"post_localSGD_hook"``, ``"model_averaging"``,
+        ``"model_state_averaging"``, ``"metrics"``), or "" for other code."""
+        parts = self.op_name.split("/")
+        return next((s for s in SCOPES if s in parts), "")
+
 
 class CommunicationReport(tuple):
     """The collectives of one compiled program: a tuple of :class:`Collective`.
@@ -89,13 +99,13 @@ class CommunicationReport(tuple):
       >>> from lsgd_jax import Collective, CommunicationReport
       >>> c = Collective("all-reduce", 8, 1, ("node", "local"), 4096, True, "ar", "f", "", ())
       >>> print(CommunicationReport([c]))
-      kind        axes        group  groups  bytes  conditional  op
-      ----------  ----------  -----  ------  -----  -----------  --
+      kind        axes        group  groups  bytes  conditional  scope
+      ----------  ----------  -----  ------  -----  -----------  -----
       all-reduce  node,local  8      1       4,096  yes
     """
 
     def __str__(self) -> str:
-        head = ("kind", "axes", "group", "groups", "bytes", "conditional", "op")
+        head = ("kind", "axes", "group", "groups", "bytes", "conditional", "scope")
         rows = [head] + [
             (
                 c.kind,
@@ -104,7 +114,7 @@ class CommunicationReport(tuple):
                 str(c.num_groups),
                 f"{c.bytes:,}",
                 "yes" if c.conditional else "no",
-                c.op_name[-48:],
+                c.scope or c.op_name[-40:],
             )
             for c in self
         ]

@@ -132,7 +132,16 @@ def data_parallel_step(
     replicas and integer ones summed (e.g. counts of correct predictions). Model state
     (e.g. batch-norm statistics) is per replica and is averaged on the steps, and over the
     group, that the optimizer's model averager averages the params (exactly: it is
-    assigned the mean).
+    assigned the mean). Without a model averager in ``tx`` (plain DDP) each replica keeps
+    its own statistics (PyTorch's DDP instead broadcasts rank 0's buffers every step);
+    evaluate with ``consensus``.
+
+    In the HLO (see :func:`communication_report`) the collectives are named by scope:
+    ``post_localSGD_hook``, ``model_averaging``, ``model_state_averaging``, ``metrics``.
+
+    Flax NNX: rebuild the module inside ``loss_fn`` with ``nnx.merge(graphdef, params,
+    model_state, copy=True)``; without ``copy=True`` NNX refuses to mutate batch
+    statistics created at another trace level.
 
     Args:
       loss_fn: the per-replica loss, see above.
@@ -194,7 +203,9 @@ def data_parallel_step(
         if with_model_state:
             model_state = _average_like_params(model_state, opt_state)
         out = jax.tree.map(lambda x: x[None], (params, model_state, new_opt_state))
-        return (*out, lax.pmean(loss, axes), _metrics_mean(aux, axes))
+        with jax.named_scope("metrics"):
+            loss, aux = lax.pmean(loss, axes), _metrics_mean(aux, axes)
+        return (*out, loss, aux)
 
     manual = frozenset(axes)
     kwargs = {} if manual == frozenset(mesh.axis_names) else {"axis_names": manual}

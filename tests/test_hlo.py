@@ -62,6 +62,11 @@ def test_post_local_sgd_step_communicates_only_inside_branches():
         ("all-reduce", ("node", "local"), PARAM_BYTES, True),
     ]
     assert not report.where(conditional=False)
+    assert sorted(c.scope for c in report) == [
+        "model_averaging",
+        "post_localSGD_hook",
+        "post_localSGD_hook",
+    ]
     # The two gradient means are the two branches of ONE conditional: never both.
     local = report.where(axes=("local",))[0].computation
     text = step.lower(*args).compile().as_text()
