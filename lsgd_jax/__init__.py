@@ -13,12 +13,14 @@ from lsgd_jax._averaging import (
     model_averaging,
     post_local_sgd_optimizer,
 )
+from lsgd_jax._checkpoint import latest_checkpoint_step, restore_checkpoint, save_checkpoint
 from lsgd_jax._collectives import AxisNotBoundError, IndexGroups
 from lsgd_jax._hook import post_local_sgd, post_localSGD_hook
 from lsgd_jax._mesh import consensus, data_axes, make_mesh, replicate, unreplicate
 from lsgd_jax._report import Collective, CommunicationReport, communication_report
 from lsgd_jax._state import PostLocalSGDState
 from lsgd_jax._step import averager_states, data_parallel_step
+from lsgd_jax._sync import ReplicasOutOfSyncError, assert_replicas_in_sync, step_counters
 
 __version__ = "0.1.0"
 
@@ -32,16 +34,22 @@ __all__ = [
     "PeriodicModelAverager",
     "PostLocalSGDOptimizerState",
     "PostLocalSGDState",
+    "ReplicasOutOfSyncError",
+    "assert_replicas_in_sync",
     "averager_states",
     "communication_report",
     "consensus",
     "data_axes",
     "data_parallel_step",
+    "latest_checkpoint_step",
     "make_mesh",
     "model_averaging",
     "post_localSGD_hook",
     "post_local_sgd",
     "post_local_sgd_optimizer",
     "replicate",
+    "restore_checkpoint",
+    "save_checkpoint",
+    "step_counters",
     "unreplicate",
 ]
