@@ -95,9 +95,9 @@ def save_checkpoint(
       >>> tx = optax.chain(lsgd_jax.post_local_sgd(4), optax.sgd(0.1))
       >>> state = {"params": lsgd_jax.replicate(jnp.zeros(3), mesh),
       ...          "opt_state": lsgd_jax.replicate(tx.init(jnp.zeros(3)), mesh)}
-      >>> ckpt_dir = tempfile.mkdtemp()
-      >>> path = lsgd_jax.save_checkpoint(ckpt_dir, 10, state)
-      >>> lsgd_jax.latest_checkpoint_step(ckpt_dir)
+      >>> with tempfile.TemporaryDirectory() as ckpt_dir:
+      ...     path = lsgd_jax.save_checkpoint(ckpt_dir, 10, state)
+      ...     lsgd_jax.latest_checkpoint_step(ckpt_dir)
       10
     """
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
@@ -140,7 +140,8 @@ def latest_checkpoint_step(directory: str | os.PathLike) -> int | None:
 
     Example:
       >>> import tempfile, lsgd_jax
-      >>> print(lsgd_jax.latest_checkpoint_step(tempfile.mkdtemp()))
+      >>> with tempfile.TemporaryDirectory() as empty:
+      ...     print(lsgd_jax.latest_checkpoint_step(empty))
       None
     """
     steps = _steps(directory)
@@ -215,9 +216,9 @@ def restore_checkpoint(
       ...                  "opt_state": lsgd_jax.replicate(tx.init(jnp.zeros(3)), mesh)}
       >>> state = fresh()
       >>> state["params"] = state["params"] + 1.0
-      >>> ckpt_dir = tempfile.mkdtemp()
-      >>> _ = lsgd_jax.save_checkpoint(ckpt_dir, 3, state)
-      >>> restored = lsgd_jax.restore_checkpoint(ckpt_dir, fresh())
+      >>> with tempfile.TemporaryDirectory() as ckpt_dir:
+      ...     _ = lsgd_jax.save_checkpoint(ckpt_dir, 3, state)
+      ...     restored = lsgd_jax.restore_checkpoint(ckpt_dir, fresh())
       >>> restored["params"][0], restored["opt_state"][0].start_localSGD_iter
       (Array([1., 1., 1.], dtype=float32), 4)
     """
@@ -258,15 +259,14 @@ def restore_checkpoint(
 
 def _check_manifest(manifest: dict, paths: list[str], abstract: list[Any], treedef: str, step):
     saved = manifest["paths"]
-    if saved != paths:
+    if len(saved) != len(paths):
         missing = [p for p in paths if p not in saved]
         extra = [p for p in saved if p not in paths]
         raise ValueError(
-            f"restore_checkpoint: checkpoint {step} holds a differently structured tree. "
-            f"In the target but not saved: {missing or 'none'}; saved but not in the "
-            f"target: {extra or 'none'}"
-            + ("" if missing or extra else " (same leaves, in another order)")
-            + ". Build the target exactly as the saved tree was built."
+            f"restore_checkpoint: checkpoint {step} holds {len(saved)} leaves, the target "
+            f"{len(paths)}. In the target but not saved: {missing or 'none'}; saved but not "
+            f"in the target: {extra or 'none'}. Build the target exactly as the saved tree "
+            "was built."
         )
     for p, shape, dtype, x in zip(paths, manifest["shapes"], manifest["dtypes"], abstract):
         if tuple(shape) != tuple(np.shape(x)) or dtype != str(np.dtype(x.dtype)):
@@ -276,10 +276,14 @@ def _check_manifest(manifest: dict, paths: list[str], abstract: list[Any], treed
                 "values have a leading axis of one entry per replica: restore on a mesh "
                 "with as many replicas as the run that saved it."
             )
-    if manifest.get("treedef") != treedef:
+    # Same leaves, shapes and dtypes: differences in names or static metadata (another
+    # averager period, a state class that now names its fields) only warn.
+    renamed = [(a, b) for a, b in zip(saved, paths) if a != b]
+    if renamed or manifest.get("treedef") != treedef:
         warnings.warn(
-            f"restore_checkpoint: the target's static structure differs from the saved "
-            f"one (e.g. another averager period or axis names); the target's is used.\n"
+            f"restore_checkpoint: the target's structure differs from checkpoint {step}'s "
+            f"in names or static metadata only; the target's are used. Renamed leaves "
+            f"(saved -> target): {renamed or 'none'}.\n"
             f"  saved:  {manifest.get('treedef')}\n  target: {treedef}",
             stacklevel=3,
         )
