@@ -38,7 +38,6 @@ def _manager(directory: str | os.PathLike, max_to_keep: int | None = None, *, wr
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
         create=write,  # creating the folder is a barrier: only when every process saves
-        read_only=not write,
         enable_async_checkpointing=False,
     )
     return ocp.CheckpointManager(
