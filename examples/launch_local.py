@@ -9,7 +9,8 @@ The script starts N copies of itself (the workers), one per "node", joined by
 
 1. sets its CPU device count and gloo, then calls ``jax.distributed.initialize``;
 2. builds the global mesh with ``lsgd_jax.make_mesh()``: one row ("node") per process,
-   that process's devices along "local" (the subgroup of post-local SGD);
+   that process's devices along "local" (the subgroup of post-local SGD); with
+   ``--nodes K`` (K < N) each node is N / K whole processes instead;
 3. feeds only its own rows of every global batch, with
    ``jax.make_array_from_process_local_data``;
 4. trains with ``post_local_sgd`` + SGD with momentum + ``model_averaging``, saving a
@@ -37,6 +38,13 @@ def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--processes", type=int, default=2, help="N processes (nodes)")
     ap.add_argument("--devices", type=int, default=4, help="M CPU devices per process")
+    ap.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        help="nodes (mesh rows); default one per process, fewer groups whole processes "
+        "into a node (like one process per GPU on a multi-GPU host)",
+    )
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--start", type=int, default=10, help="start_localSGD_iter")
     ap.add_argument("--period", type=int, default=4, help="model averaging period")
@@ -74,14 +82,15 @@ def worker(args) -> None:
     import lsgd_jax
 
     me = jax.process_index()
-    mesh = lsgd_jax.make_mesh()  # (processes, devices): one node per process
+    mesh = lsgd_jax.make_mesh(args.nodes)  # default (processes, devices): a node per process
     rows = NamedSharding(mesh, P(lsgd_jax.data_axes(mesh)))
 
     def say(msg):
         if me == 0:
             print(msg, flush=True)
 
-    say(f"mesh {dict(mesh.shape)}: process p holds row p, {jax.local_device_count()} devices")
+    per_node = args.processes // (args.nodes or args.processes)
+    say(f"mesh {dict(mesh.shape)}: {per_node} process(es) per node")
 
     din, per_device = 16, 8
     teacher = np.random.default_rng(0).standard_normal((din, 1)).astype(np.float32)

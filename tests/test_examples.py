@@ -13,7 +13,8 @@ SCRIPT = ROOT / "examples" / "launch_local.py"
 
 
 def run_example(*args: str, timeout: float = 150) -> str:
-    cmd = [sys.executable, str(SCRIPT), "--processes", "2", "--devices", "2", *args]
+    defaults = [] if "--processes" in args else ["--processes", "2", "--devices", "2"]
+    cmd = [sys.executable, str(SCRIPT), *defaults, *args]
     cmd += ["--timeout", str(timeout - 30)]  # the launcher stops its workers first
     proc = subprocess.Popen(
         cmd,
@@ -43,3 +44,10 @@ def test_launch_local_trains_checkpoints_and_resumes(tmp_path):
     out = run_example("--steps", "30", "--ckpt-dir", ckpt, "--ckpt-every", "10")
     assert "resumed from the checkpoint of step 20" in out and "done: 10 steps" in out
     assert sorted(os.listdir(ckpt)) == ["10", "20", "30"]
+
+
+def test_launch_local_with_a_node_of_several_processes():
+    # Four processes of one device, two per node: like one process per GPU.
+    out = run_example("--processes", "4", "--devices", "1", "--nodes", "2", "--steps", "12")
+    assert "mesh {'node': 2, 'local': 2}: 2 process(es) per node" in out
+    assert "done: 12 steps" in out

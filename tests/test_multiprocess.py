@@ -10,6 +10,7 @@ import json
 import shutil
 import signal
 import time
+import types
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from mp_worker import CFG, fresh_state, global_batch, loss_fn, make_tx, train
 from multiprocess import processes, run_workers, wait_all, wait_for_text, worker_cmds
 
 import lsgd_jax
+from lsgd_jax._mesh import _check_node_rows
 
 AVERAGER = lsgd_jax.PeriodicModelAverager(CFG["period"], CFG["start"])
 AVERAGING_STEPS = [s for s in range(CFG["steps"]) if AVERAGER.level(s)]  # 4, 7, 10
@@ -155,3 +157,15 @@ def test_sigkill_one_process_then_restart_both_from_the_last_checkpoint(baseline
         got = load(restart / f"resumed_p{p}.npz")
         for k in want:
             np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_a_node_is_inside_one_process_or_made_of_whole_processes():
+    def grid(procs, cols):  # fake devices: (process_index, id)
+        devs = [types.SimpleNamespace(process_index=p, id=i) for i, p in enumerate(procs)]
+        return np.array(devs, dtype=object).reshape(-1, cols)
+
+    _check_node_rows(grid([0, 0, 0, 0, 1, 1, 1, 1], 4))  # one process per node
+    _check_node_rows(grid([0, 0, 0, 0, 1, 1, 1, 1], 2))  # two nodes per process
+    _check_node_rows(grid([0, 1, 2, 3], 2))  # one process per device, two per node
+    with pytest.raises(ValueError, match=r"only some of the devices of process\(es\) \[1\]"):
+        _check_node_rows(grid([0, 0, 1, 1, 1, 1], 3))
