@@ -28,7 +28,7 @@ def _ocp():
         import orbax.checkpoint as ocp
     except ImportError as e:  # pragma: no cover - exercised only without orbax
         raise ImportError(
-            "lsgd_jax checkpoints need orbax-checkpoint: pip install 'orbax-checkpoint>=0.11'."
+            "lsgd_jax checkpoints need orbax-checkpoint: pip install 'lsgd_jax[checkpoint]'."
         ) from e
     return ocp
 

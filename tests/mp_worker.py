@@ -216,6 +216,16 @@ def main(argv=None) -> int:
                 info["mismatch_values"] = {k: sorted(v) for k, v in e.values.items()}
             info["mismatch_seconds"] = time.perf_counter() - t0
             log(f"mismatch check: {info['mismatch_error']}")
+            # Host-side counters, and trees that differ between processes.
+            for name, tree, host in [
+                ("host_error", {}, {"data position": 10 + pid}),
+                ("structure_error", fresh_state(mesh) if pid else {}, None),
+            ]:
+                try:
+                    lsgd_jax.assert_replicas_in_sync(tree, host_counters=host)
+                    info[name] = None
+                except lsgd_jax.ReplicasOutOfSyncError as e:
+                    info[name] = str(e)
         for k in args.resume_from if args.resume_from else [None]:
             step = k if k is not None else lsgd_jax.latest_checkpoint_step(args.ckpt)
             state = lsgd_jax.restore_checkpoint(args.ckpt, fresh_state(mesh), step=step)

@@ -119,6 +119,14 @@ def test_restoring_different_steps_fails_on_every_process_instead_of_hanging(res
         assert "['opt_state'][2].step is 4 on replicas 4-7 (process 1); 6 on replicas 0-3" in err
         assert info["mismatch_values"] == {"['opt_state'][2].step": [4, 6]}
         print(f"\nprocess {p} detected the mismatch in {info['mismatch_seconds']:.2f} s: {err}")
+        assert (
+            "host counter 'data position' is 10 on host (process 0); 11 on host (process 1)"
+            in (info["host_error"])
+        )
+        assert (
+            "the processes hold different states. process 0: 0 counter values"
+            in (info["structure_error"])
+        )
 
 
 @pytest.mark.parametrize("step", [2, 6])
