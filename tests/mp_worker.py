@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import time
+import warnings
 
 import numpy as np
 
@@ -216,6 +217,12 @@ def main(argv=None) -> int:
                 info["mismatch_values"] = {k: sorted(v) for k, v in e.values.items()}
             info["mismatch_seconds"] = time.perf_counter() - t0
             log(f"mismatch check: {info['mismatch_error']}")
+            # A host-local batch is taken as the global one: the step warns.
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                s0 = fresh_state(mesh)
+                step_fn(s0["params"], s0["opt_state"], local_batch(0, pid))
+            info["host_batch_warnings"] = [str(w.message) for w in caught]
             # Host-side counters, and trees that differ between processes.
             for name, tree, host in [
                 ("host_error", {}, {"data position": 10 + pid}),
