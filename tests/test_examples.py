@@ -37,17 +37,17 @@ def run_example(*args: str, timeout: float = 150) -> str:
     return out
 
 
-def test_launch_local_trains_checkpoints_and_resumes(tmp_path):
+def test_launch_local_trains_checkpoints_and_resumes_on_another_layout(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     out = run_example("--steps", "20", "--ckpt-dir", ckpt, "--ckpt-every", "10")
-    assert "mesh {'node': 2, 'local': 2}" in out and "done: 20 steps" in out
-    out = run_example("--steps", "30", "--ckpt-dir", ckpt, "--ckpt-every", "10")
+    assert "mesh {'node': 2, 'local': 2}: 1 process(es) per node" in out
+    assert "done: 20 steps" in out
+    # The same (2, 2) mesh from four processes of one device, two per node (like one
+    # process per GPU): each process restores only its own replica's shards.
+    out = run_example(
+        "--processes", "4", "--devices", "1", "--nodes", "2", "--steps", "30",
+        "--ckpt-dir", ckpt, "--ckpt-every", "10",
+    )  # fmt: skip
+    assert "mesh {'node': 2, 'local': 2}: 2 process(es) per node" in out
     assert "resumed from the checkpoint of step 20" in out and "done: 10 steps" in out
     assert sorted(os.listdir(ckpt)) == ["10", "20", "30"]
-
-
-def test_launch_local_with_a_node_of_several_processes():
-    # Four processes of one device, two per node: like one process per GPU.
-    out = run_example("--processes", "4", "--devices", "1", "--nodes", "2", "--steps", "12")
-    assert "mesh {'node': 2, 'local': 2}: 2 process(es) per node" in out
-    assert "done: 12 steps" in out

@@ -147,7 +147,7 @@ def test_sigkill_one_process_then_restart_both_from_the_last_checkpoint(baseline
     out, ckpt = tmp_path / "killed", tmp_path / "ckpt"
     out.mkdir()
     cmds = worker_cmds(
-        "train", 2, out, ckpt, "--ckpt-every", "2", "--sleep", "0.3", "--heartbeat", "5"
+        "train", 2, out, ckpt, "--ckpt-every", "2", "--sleep", "0.2", "--heartbeat", "5"
     )
     with processes(cmds, out) as procs:
         assert wait_for_text(procs[1], "[process 1] step 6 done", timeout=120), procs[1].output()
