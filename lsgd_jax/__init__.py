@@ -27,6 +27,12 @@ from lsgd_jax._report import communication_report
 from lsgd_jax._state import PostLocalSGDState
 from lsgd_jax._step import averager_states
 from lsgd_jax._step import data_parallel_step
+from lsgd_jax._checkpoint import latest_checkpoint_step
+from lsgd_jax._checkpoint import restore_checkpoint
+from lsgd_jax._checkpoint import save_checkpoint
+from lsgd_jax._sync import ReplicasOutOfSyncError
+from lsgd_jax._sync import assert_replicas_in_sync
+from lsgd_jax._sync import step_counters
 
 __version__ = "0.1.0"
 
@@ -40,11 +46,14 @@ __all__ = [
     "PeriodicModelAverager",
     "PostLocalSGDOptimizerState",
     "PostLocalSGDState",
+    "ReplicasOutOfSyncError",
+    "assert_replicas_in_sync",
     "averager_states",
     "communication_report",
     "consensus",
     "data_axes",
     "data_parallel_step",
+    "latest_checkpoint_step",
     "make_mesh",
     "model_averaging",
     "node_groups",
@@ -52,5 +61,8 @@ __all__ = [
     "post_local_sgd",
     "post_local_sgd_optimizer",
     "replicate",
+    "restore_checkpoint",
+    "save_checkpoint",
+    "step_counters",
     "unreplicate",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,7 +28,10 @@ def make_mesh(
     ``r`` (PyTorch's rank ``r``) is the device at row-major position ``r``.
 
     Devices are ordered by ``(process_index, id)``, so on a multi-process run each
-    process's devices form its own row by default (one process = one node).
+    process's devices form its own row by default (one process = one node, the usual
+    layout: one process per host). A node may also be several whole processes, e.g. one
+    process per GPU: pass ``num_nodes=<number of hosts>``; the processes of one host
+    must then have consecutive process indices (SLURM's default block distribution).
 
     Args:
       num_nodes: rows of the mesh; default ``jax.process_count()``, or, when only
@@ -67,17 +71,25 @@ def make_mesh(
             "more (e.g. jax.config.update('jax_num_cpu_devices', 8) before first use)."
         )
     grid = np.array(devs[:n], dtype=object).reshape(num_nodes, devices_per_node)
-    if jax.process_count() > 1:
-        for row in grid:
-            procs = {d.process_index for d in row}
-            if len(procs) > 1:
-                raise ValueError(
-                    f"make_mesh: node row {list(row)} spans processes {sorted(procs)}; with "
-                    "several processes, devices_per_node must divide each process's device "
-                    f"count ({jax.local_device_count()} here)."
-                )
+    _check_node_rows(grid)
     kwargs = {} if axis_types is None else {"axis_types": axis_types}
     return Mesh(grid, (NODE_AXIS, LOCAL_AXIS), **kwargs)
+
+
+def _check_node_rows(grid: np.ndarray) -> None:
+    """Each row (node) lies inside one process, or is made of whole processes."""
+    per_process = collections.Counter(d.process_index for d in grid.flat)
+    for row in grid:
+        here = collections.Counter(d.process_index for d in row)
+        split = sorted(p for p, n in here.items() if n != per_process[p])
+        if len(here) > 1 and split:
+            raise ValueError(
+                f"make_mesh: node row {list(row)} spans processes {sorted(here)} but holds "
+                f"only some of the devices of process(es) {split}. A node must lie inside "
+                "one process (devices_per_node divides each process's device count) or "
+                "consist of whole processes (one process per GPU: num_nodes = number of "
+                "hosts)."
+            )
 
 
 def data_axes(mesh: Mesh) -> tuple[str, ...]:
@@ -147,6 +159,10 @@ def replicate(tree: Any, mesh: Mesh, axes: Sequence[str] | None = None) -> Any:
 def unreplicate(tree: Any) -> Any:
     """Replica 0's copy of a replicated pytree (drops the leading replica axis).
 
+    With several processes, replica 0 lives on process 0: this is then a collective
+    (every process must call it) that returns arrays replicated on every device, which
+    any process can read (``np.asarray``).
+
     Args:
       tree: a pytree as made by :func:`replicate` (leading replica axis).
 
@@ -166,7 +182,9 @@ def consensus(tree: Any) -> Any:
     """The mean over replicas of a replicated pytree: the model to evaluate or export.
 
     Floating leaves are averaged over the leading replica axis (accumulated in at least
-    float32); other leaves are taken from replica 0.
+    float32); other leaves are taken from replica 0. With several processes this is a
+    collective (every process must call it); the result is replicated on every device,
+    so any process can read it.
 
     Args:
       tree: a pytree with a leading replica axis.

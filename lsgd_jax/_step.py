@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from lsgd_jax import _collectives
 from lsgd_jax._averaging import ModelAveragerState
 from lsgd_jax._mesh import _num_replicas, data_axes
+from lsgd_jax._sync import assert_replicas_in_sync
 
 
 def averager_states(opt_state: Any) -> list[ModelAveragerState]:
@@ -87,7 +89,7 @@ def _check_replicated(tree: Any, what: str, n: int, axes: tuple[str, ...]) -> No
                 )
 
 
-def _check_batch(batch: Any, n: int) -> None:
+def _check_batch(batch: Any, n: int, mesh: Mesh, axes: tuple[str, ...]) -> None:
     for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
         shape = jnp.shape(x)
         if not shape or shape[0] % n:
@@ -95,6 +97,18 @@ def _check_batch(batch: Any, n: int) -> None:
                 f"data_parallel_step: batch leaf {_path_name(path)} has shape {shape}; its "
                 f"leading (batch) axis must divide by the {n} replicas. Use a global batch "
                 f"size that is a multiple of {n}."
+            )
+        if jax.process_count() > 1 and not (
+            isinstance(x, jax.Array) and not x.is_fully_addressable
+        ):
+            warnings.warn(
+                f"data_parallel_step: batch leaf {_path_name(path)} is a host-local array "
+                f"on a run of {jax.process_count()} processes, so it is taken as the GLOBAL "
+                "batch (each device reads its rows of it, from its own process's copy): "
+                "with different data on each process, most of it is silently dropped. Feed "
+                "each process's own rows with jax.make_array_from_process_local_data("
+                f"NamedSharding(mesh, P({axes})), local_batch).",
+                stacklevel=5,
             )
 
 
@@ -108,6 +122,7 @@ def data_parallel_step(
     axes: Sequence[str] | None = None,
     donate: bool = True,
     max_in_flight: int | None = 8,
+    check_in_sync_every: int | None = None,
 ) -> Callable[..., Any]:
     """A jitted, donated ``shard_map`` training step over per-replica params and state.
 
@@ -156,6 +171,17 @@ def data_parallel_step(
         waits for the loss of the step that many calls back). Unbounded async dispatch
         can deadlock XLA's in-process CPU collectives: seen with 8 simulated devices on
         2 cores after about 150 queued steps (jax 0.10.2). None: no limit.
+      check_in_sync_every: on the first call and then every this many calls, run
+        :func:`assert_replicas_in_sync` on the incoming optimizer state, so that replicas
+        or processes whose step counters differ fail with an error instead of hanging
+        in a collective. It waits for the previous step (and, with several processes,
+        is a small collective). None: never.
+
+    With several processes (one per node, see :func:`make_mesh`), every process calls
+    the step with the same arguments: params and optimizer state from :func:`replicate`
+    (or :func:`restore_checkpoint`), and a global batch assembled from each process's
+    rows with ``jax.make_array_from_process_local_data(NamedSharding(mesh, P(axes)),
+    local_batch)``.
 
     Returns:
       The step function.
@@ -183,6 +209,15 @@ def data_parallel_step(
             "axes=<its data-parallel axes> or build it with lsgd_jax.make_mesh()."
         )
     n = _num_replicas(mesh, axes)
+    if check_in_sync_every is not None and (
+        isinstance(check_in_sync_every, bool)
+        or not isinstance(check_in_sync_every, int)
+        or check_in_sync_every < 1
+    ):
+        raise ValueError(
+            "data_parallel_step: check_in_sync_every must be a positive int or None, got "
+            f"{check_in_sync_every!r}."
+        )
     rep = P(axes)
     value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux or with_model_state)
 
@@ -223,7 +258,7 @@ def data_parallel_step(
         _check_replicated(opt_state, "opt_state", n, axes)
         if with_model_state:
             _check_replicated(model_state, "model_state", n, axes)
-        _check_batch(batch, n)
+        _check_batch(batch, n, mesh, axes)
 
     def finish(result):
         params, model_state, opt_state, loss, aux = result
@@ -249,8 +284,12 @@ def data_parallel_step(
             f"data_parallel_step: max_in_flight must be >= 1 or None, got {max_in_flight}."
         )
     in_flight: collections.deque = collections.deque()
+    calls = [0]
 
     def throttled(*args):
+        if check_in_sync_every is not None and calls[0] % check_in_sync_every == 0:
+            assert_replicas_in_sync(args[-2])  # the optimizer state
+        calls[0] += 1
         out = step(*args)
         if max_in_flight is not None:
             in_flight.append(out[-2] if has_aux else out[-1])

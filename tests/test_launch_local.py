@@ -1,0 +1,53 @@
+"""examples/launch_local.py: N local processes train, checkpoint, and resume."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+from multiprocess import ROOT, worker_env
+
+SCRIPT = ROOT / "examples" / "launch_local.py"
+
+
+def run_example(*args: str, timeout: float = 150) -> str:
+    defaults = [] if "--processes" in args else ["--processes", "2", "--devices", "2"]
+    cmd = [sys.executable, str(SCRIPT), *defaults, *args]
+    cmd += ["--timeout", str(timeout - 30)]  # the launcher stops its workers first
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=worker_env(),
+        cwd=ROOT,
+        start_new_session=True,  # its own process group: the workers go with it
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(
+            f"launch_local.py ran past {timeout} s:\n{out.decode()[-3000:]}"
+        ) from None
+    out = out.decode(errors="replace")
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def test_launch_local_trains_checkpoints_and_resumes_on_another_layout(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    out = run_example("--steps", "20", "--ckpt-dir", ckpt, "--ckpt-every", "10")
+    assert "mesh {'node': 2, 'local': 2}: 1 process(es) per node" in out
+    assert "done: 20 steps" in out
+    # The same (2, 2) mesh from four processes of one device, two per node (like one
+    # process per GPU): each process restores only its own replica's shards.
+    out = run_example(
+        "--processes", "4", "--devices", "1", "--nodes", "2", "--steps", "30",
+        "--ckpt-dir", ckpt, "--ckpt-every", "10",
+    )  # fmt: skip
+    assert "mesh {'node': 2, 'local': 2}: 2 process(es) per node" in out
+    assert "resumed from the checkpoint of step 20" in out and "done: 10 steps" in out
+    assert sorted(os.listdir(ckpt)) == ["10", "20", "30"]
