@@ -31,7 +31,7 @@ def _log_start(iteration: Any) -> None:
     logger.info("Start to apply local SGD after %s iterations.", int(iteration))
 
 
-@jax.tree_util.register_pytree_node_class
+@jax.tree_util.register_pytree_with_keys_class
 class PostLocalSGDState:
     """The state of :func:`post_localSGD_hook`: a step count and where to average.
 
@@ -100,6 +100,9 @@ class PostLocalSGDState:
     # Pytree protocol: unflattening (and replace) bypasses __init__, so it never logs.
     def tree_flatten(self):
         return (self.iter,), tuple(getattr(self, n) for n in _META)
+
+    def tree_flatten_with_keys(self):
+        return ((jax.tree_util.GetAttrKey("iter"), self.iter),), self.tree_flatten()[1]
 
     @classmethod
     def tree_unflatten(cls, meta, children):
