@@ -148,7 +148,7 @@ def main(argv=None):
     mesh = lsgd_jax.make_mesh(2, 4)
     rows = bench("small MLP", [64, 256, 256, 10], 32, args.reps, mesh)
     if not args.only_small:
-        rows += bench("MLP ~10M", [1024, 2048, 2048, 1024, 10], 16, args.reps, mesh)
+        rows += bench("MLP 10.5M", [1024, 2048, 2048, 2048, 10], 16, args.reps, mesh)
     print(
         f"Median step time over {args.reps} interleaved repetitions, 8 simulated CPU devices "
         f"(2 nodes x 4), jax {jax.__version__}.\n"

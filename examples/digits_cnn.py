@@ -187,8 +187,7 @@ class Schedule:
         gradients over all replicas.
       local_grads: whether gradients are all-reduced inside the node after ``start``.
       averager: the model averager, or None.
-      grad_bytes: bytes per device of the global gradient all-reduce.
-      average_bytes: bytes per device of a global model average (params + batch stats).
+      branch_bytes: cross-node bytes per device of each phase branch of the step.
       always_bytes: bytes per device of the cross-node all-reduces of every step (the
         reported mean loss and summed correct count).
     """
@@ -196,8 +195,7 @@ class Schedule:
     start: int
     local_grads: bool
     averager: Any
-    grad_bytes: int
-    average_bytes: int
+    branch_bytes: dict
     always_bytes: int
 
     def level(self, step: int) -> int:
@@ -207,11 +205,29 @@ class Schedule:
     def top(self) -> int:
         return len(self.averager.groups) if self.averager is not None else 0
 
+    def _branch(self, hook: int, level: int) -> int:
+        """The phase branch of ``data_parallel_step``: the hook's phase (1 before the
+        switch; no phase when it starts local) then the averager's level, mixed radix."""
+        if not self.start:
+            return level
+        return hook * (self.top + 1) + level if self.averager is not None else hook
+
+    def branch(self, step: int) -> int:
+        return self._branch(int(step < self.start), self.level(step))
+
+    @property
+    def grad_bytes(self) -> int:
+        """Cross-node bytes of a step that only all-reduces the gradients globally."""
+        return self.branch_bytes.get(self._branch(1, 0), 0) if self.start else 0
+
+    @property
+    def average_bytes(self) -> int:
+        """Cross-node bytes of a global model average (params + batch statistics)."""
+        return self.branch_bytes.get(self._branch(0, self.top), 0) if self.top else 0
+
     def cross_node_bytes(self, step: int) -> int:
         """Bytes this device sends across nodes on ``step`` (0-based)."""
-        grad = self.grad_bytes if step < self.start else 0
-        avg = self.average_bytes if self.top and self.level(step) == self.top else 0
-        return self.always_bytes + grad + avg
+        return self.always_bytes + self.branch_bytes.get(self.branch(step), 0)
 
     def counts(self, steps: int) -> dict[str, int]:
         """Global and node-local all-reduces of the first ``steps`` steps (not metrics)."""
@@ -231,27 +247,32 @@ class Schedule:
 def schedule_of(opt_state: Any, report: Any, params: Any) -> Schedule:
     """Reads a run's schedule off its (replicated) optimizer state and compiled step.
 
-    The report lists each collective of the step once; the conditional cross-node ones
-    belong either to the hook's global branch (the gradients: one float per parameter)
-    or to the averager's top level (the rest: parameters and batch statistics).
+    ``data_parallel_step`` traces the step once per phase (hook: global or node-local
+    gradients; averager: its level) under one switch, and XLA may merge the collectives
+    of one branch: so the bytes are read per branch, and each step is charged the bytes
+    of the branch its phase takes.
     """
     hook = _hook_state(opt_state)
     averagers = lsgd_jax.averager_states(opt_state)
     averager = averagers[0].averager if averagers else None
+    branch_bytes: dict[int, int] = {}
     cross = report.where(axes=CROSS_NODE)
-    floating = [x for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    grad_bytes = sum(x.nbytes // x.shape[0] for x in floating) if hook.start_localSGD_iter else 0
-    conditional = sum(c.bytes for c in cross if c.conditional)
-    if conditional < grad_bytes:
-        raise RuntimeError(f"the compiled step has no cross-node gradient all-reduce:\n{report}")
-    return Schedule(
+    for c in cross:
+        if c.conditional:
+            branch_bytes[c.branch] = branch_bytes.get(c.branch, 0) + c.bytes
+    schedule = Schedule(
         start=hook.start_localSGD_iter,
         local_grads=hook.post_local_gradient_allreduce,
         averager=averager,
-        grad_bytes=grad_bytes,
-        average_bytes=conditional - grad_bytes,
+        branch_bytes=branch_bytes,
         always_bytes=sum(c.bytes for c in cross if not c.conditional),
     )
+    floating = [x for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    if hook.start_localSGD_iter and schedule.grad_bytes != sum(
+        x.nbytes // x.shape[0] for x in floating
+    ):
+        raise RuntimeError(f"the compiled step has no cross-node gradient all-reduce:\n{report}")
+    return schedule
 
 
 def train(

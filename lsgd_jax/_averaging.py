@@ -22,7 +22,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from lsgd_jax import _collectives
+from lsgd_jax import _collectives, _phase
 from lsgd_jax._collectives import Group, GroupSpec
 from lsgd_jax._state import check_nonnegative_int, logger
 
@@ -372,6 +372,9 @@ class _Averager:
 
         branches = [skip] + [make(b) for b in branches_spec]
         with jax.named_scope("model_averaging"):  # names its collectives in the HLO
+            pinned = _phase.branch(_phase.averager_key(self))
+            if pinned is not None:  # data_parallel_step traces each phase on its own
+                return branches[pinned](operand, state)
             level = self._level(state)
             if len(branches) == 2:
                 return lax.cond(level > 0, branches[1], branches[0], operand, state)
@@ -406,6 +409,9 @@ class _Averager:
             for group, _, _ in self._branch_groups()
         ]
         with jax.named_scope("model_state_averaging"):
+            pinned = _phase.branch(_phase.averager_key(self))
+            if pinned is not None:
+                return branches[pinned](tree)
             level = self._level(state)
             if len(branches) == 2:
                 return lax.cond(level > 0, branches[1], branches[0], tree)

@@ -85,9 +85,19 @@ class Collective:
     @property
     def scope(self) -> str:
         """Which part of lsgd_jax made it (``"post_localSGD_hook"``, ``"model_averaging"``,
-        ``"model_state_averaging"``, ``"metrics"``), or "" for other code."""
-        parts = self.op_name.split("/")
-        return next((s for s in SCOPES if s in parts), "")
+        ``"model_state_averaging"``, ``"metrics"``), "" for other code; ``"a+b"`` when
+        XLA combined collectives of both into one."""
+        parts = set(re.split(r"[/:()]", self.op_name))
+        return "+".join(s for s in SCOPES if s in parts)
+
+    @property
+    def branch(self) -> int | None:
+        """The branch of the outermost ``lax.cond``/``lax.switch`` that holds it, or None.
+
+        For a step from ``data_parallel_step`` that is its phase (see its ``specialize``).
+        """
+        m = re.search(r"/branch_(\d+)_fun/", self.op_name)
+        return int(m.group(1)) if m else None
 
 
 class CommunicationReport(tuple):

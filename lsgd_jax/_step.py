@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lsgd_jax import _collectives
+from lsgd_jax import _collectives, _phase
 from lsgd_jax._averaging import ModelAveragerState
 from lsgd_jax._mesh import _num_replicas, data_axes
+from lsgd_jax._state import PostLocalSGDState
 from lsgd_jax._sync import assert_replicas_in_sync
 
 
@@ -52,6 +55,51 @@ def _average_like_params(model_state: Any, opt_state: Any) -> Any:
         )
     (state,) = states
     return state.averager.average_alongside(model_state, state)
+
+
+MAX_PHASES = 16
+
+
+def _phases(opt_state: Any) -> list[tuple[Any, int, jax.Array]] | None:
+    """``(pin key, number of branches, branch index)`` of every hook and averager."""
+    is_node = lambda x: isinstance(x, (ModelAveragerState, PostLocalSGDState))  # noqa: E731
+    phases = []
+    for node in jax.tree.leaves(opt_state, is_leaf=is_node):
+        if isinstance(node, PostLocalSGDState):
+            if node.start_localSGD_iter == 0:
+                continue  # static: always node-local
+            index = (node.iter < node.start_localSGD_iter).astype(jnp.int32)
+            phases.append((_phase.hook_key(node), 2, index))
+        elif isinstance(node, ModelAveragerState) and node.averager is not None:
+            averager = node.averager
+            levels = len(averager._branch_groups())
+            phases.append((_phase.averager_key(averager), levels + 1, averager._level(node)))
+    keys = [k for k, _, _ in phases]
+    if not phases or len(set(keys)) != len(keys):
+        return None  # nothing to pin, or two states share a configuration
+    if int(np.prod([n for _, n, _ in phases])) > MAX_PHASES:
+        return None
+    return phases
+
+
+def _switch_over_phases(phases, core, operands, axes: frozenset) -> Any:
+    """One lax.switch over every combination of pinned branches; each traced alone."""
+    sizes = [n for _, n, _ in phases]
+    index = jnp.zeros([], jnp.int32)
+    for _, n, i in phases:
+        index = index * n + i
+    combos = list(itertools.product(*[range(n) for n in sizes]))
+
+    def make(combo):
+        def branch(*ops):
+            with _phase.pinned({k: b for (k, _, _), b in zip(phases, combo)}):
+                out = core(*ops)
+            # every branch returns per-replica values: type them all alike
+            return jax.tree.map(lambda x: _collectives.cast_varying(x, axes), out)
+
+        return branch
+
+    return lax.switch(index, [make(c) for c in combos], *operands)
 
 
 def _metrics_mean(tree: Any, axes: tuple[str, ...]) -> Any:
@@ -123,6 +171,7 @@ def data_parallel_step(
     donate: bool = True,
     max_in_flight: int | None = 8,
     check_in_sync_every: int | None = None,
+    specialize: bool = True,
 ) -> Callable[..., Any]:
     """A jitted, donated ``shard_map`` training step over per-replica params and state.
 
@@ -171,6 +220,16 @@ def data_parallel_step(
         waits for the loss of the step that many calls back). Unbounded async dispatch
         can deadlock XLA's in-process CPU collectives: seen with 8 simulated devices on
         2 cores after about 150 queued steps (jax 0.10.2). None: no limit.
+      specialize: trace the whole step once per phase (global or node-local gradient
+        mean, times each averaging level) under ONE ``lax.switch`` on the step counters,
+        instead of a ``lax.cond`` per transform: each branch is then straight-line code
+        that XLA fuses like a hand-written step (the conds cost 12-30% of a 10M-parameter
+        step on CPU; see benchmarks/overhead.py). The math is the same; compilation
+        takes one trace per phase (at most 16, else it falls back to the conds). The
+        branch index is the mixed-radix number of the phases of the hooks and averagers
+        in the order they appear in ``opt_state``: a hook's phase is 1 before the switch
+        (global mean), 0 after; an averager's is its level (0: no average). A collective's
+        ``branch`` in :func:`communication_report` is this index.
       check_in_sync_every: on the first call and then every this many calls, run
         :func:`assert_replicas_in_sync` on the incoming optimizer state, so that replicas
         or processes whose step counters differ fail with an error instead of hanging
@@ -221,10 +280,7 @@ def data_parallel_step(
     rep = P(axes)
     value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux or with_model_state)
 
-    def body(params, model_state, opt_state, batch):
-        params, model_state, opt_state = jax.tree.map(
-            lambda x: x[0], (params, model_state, opt_state)
-        )
+    def core(params, model_state, opt_state, batch):
         aux = None
         if with_model_state:
             (loss, out), grads = value_and_grad(params, model_state, batch)
@@ -237,6 +293,19 @@ def data_parallel_step(
         params = optax.apply_updates(params, updates)
         if with_model_state:
             model_state = _average_like_params(model_state, opt_state)
+        return params, model_state, new_opt_state, loss, aux
+
+    def body(params, model_state, opt_state, batch):
+        params, model_state, opt_state = jax.tree.map(
+            lambda x: x[0], (params, model_state, opt_state)
+        )
+        operands = (params, model_state, opt_state, batch)
+        phases = _phases(opt_state) if specialize else None
+        if phases:
+            out = _switch_over_phases(phases, core, operands, frozenset(axes))
+        else:
+            out = core(*operands)
+        params, model_state, new_opt_state, loss, aux = out
         out = jax.tree.map(lambda x: x[None], (params, model_state, new_opt_state))
         with jax.named_scope("metrics"):
             loss, aux = lax.pmean(loss, axes), _metrics_mean(aux, axes)

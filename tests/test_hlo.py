@@ -234,11 +234,12 @@ def test_the_step_lowers_for_gpu_and_tpu_with_collectives_inside_conditionals(pl
         put(jnp.ones((32, 16)), mesh, DATA),
     )
     report = lsgd_jax.communication_report(step.jitted, *args, platform=platform)
-    # Before XLA combines them, there is one all-reduce per leaf. Per axes, the bytes add
-    # up to two parameter sets: the gradient means (global or local, one cond) and the
-    # model averages (local or global level, one switch). All conditional.
+    # Before XLA combines them, there is one all-reduce per leaf. data_parallel_step
+    # traces the step once per phase, 2 hook phases x 3 averaging levels (none, "local",
+    # global) = 6 branches of one switch: the node-local gradient mean sits in 3 of them,
+    # the local-level average in 2; likewise the global ones. All conditional.
     unconditional = report.where(conditional=False)
     assert [(c.axes, c.bytes) for c in unconditional] == [(("node", "local"), 4)]  # the loss
     for axes in [("local",), ("node", "local")]:
         cond = report.where(conditional=True, axes=axes)
-        assert sum(c.bytes for c in cond) == 2 * PARAM_BYTES
+        assert sum(c.bytes for c in cond) == (3 + 2) * PARAM_BYTES
