@@ -92,7 +92,7 @@ def timed(f, *args):
     return time.perf_counter() - t0
 
 
-def bench(name, sizes, batch_per_replica, reps, mesh):
+def bench(name, sizes, batch_per_replica, reps, mesh, phases=("before", "local", "average")):
     params = mlp(sizes, jax.random.key(0))
     n = mesh.devices.size
     rng = np.random.default_rng(0)
@@ -103,7 +103,7 @@ def bench(name, sizes, batch_per_replica, reps, mesh):
     batch = jax.device_put(batch, NamedSharding(mesh, D))
     n_params = sum(x.size for x in jax.tree.leaves(params))
     rows = []
-    for phase in ("before", "local", "average"):
+    for phase in phases:
         step, tx = lsgd_step(mesh, phase)
         state = tx.init(params)
         if phase == "local":  # an averager step that does not average
@@ -144,11 +144,15 @@ def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--only-small", action="store_true")
+    parser.add_argument("--only-large", action="store_true")
+    parser.add_argument("--phases", nargs="+", default=["before", "local", "average"])
     args = parser.parse_args(argv)
     mesh = lsgd_jax.make_mesh(2, 4)
-    rows = bench("small MLP", [64, 256, 256, 10], 32, args.reps, mesh)
+    rows = []
+    if not args.only_large:
+        rows += bench("small MLP", [64, 256, 256, 10], 32, args.reps, mesh, args.phases)
     if not args.only_small:
-        rows += bench("MLP 10.5M", [1024, 2048, 2048, 2048, 10], 16, args.reps, mesh)
+        rows += bench("MLP 10.5M", [1024, 2048, 2048, 2048, 10], 16, args.reps, mesh, args.phases)
     print(
         f"Median step time over {args.reps} interleaved repetitions, 8 simulated CPU devices "
         f"(2 nodes x 4), jax {jax.__version__}.\n"
