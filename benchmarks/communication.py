@@ -26,8 +26,9 @@ import numpy as np  # noqa: E402
 import lsgd_jax  # noqa: E402
 
 
-def compiled_report(tx, mesh, params):
-    """The collectives of one optimizer update, compiled for the mesh."""
+def compiled_report(tx, mesh, params, platform=None):
+    """The collectives of one optimizer update, compiled for the mesh (or lowered for
+    ``platform``, e.g. "cuda", with jax.export: no such device needed)."""
     loss = lambda p, b: sum(jnp.vdot(x, x) for x in jax.tree.leaves(p)) * jnp.mean(b)  # noqa: E731
     step = lsgd_jax.data_parallel_step(loss, tx, mesh, donate=False)
     n = mesh.devices.size
@@ -37,7 +38,7 @@ def compiled_report(tx, mesh, params):
         lsgd_jax.replicate(tx.init(params), mesh),
         jnp.ones((n,)),
     )
-    report = lsgd_jax.communication_report(step.jitted, *args)
+    report = lsgd_jax.communication_report(step.jitted, *args, platform=platform)
     return [c for c in report if c.bytes > 4]  # drop the 4-byte mean of the loss
 
 
@@ -85,6 +86,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--params", type=int, default=1 << 20, help="float32 parameters")
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--platform", default=None, help="lower for cuda/tpu instead of compiling")
     args = parser.parse_args(argv)
     P = args.params * 4
     params = {"w": jnp.zeros((args.params - 1000,)), "b": jnp.zeros((1000,))}
@@ -95,8 +97,12 @@ def main(argv=None):
 
     def run(name, msh, hook_kwargs, averager, groups, expect):
         hook_tx = lsgd_jax.post_local_sgd(start, **hook_kwargs)
-        hook = compiled_report(hook_tx, msh, params)
-        avg = compiled_report(lsgd_jax.model_averaging(averager), msh, params) if averager else None
+        hook = compiled_report(hook_tx, msh, params, args.platform)
+        avg = (
+            compiled_report(lsgd_jax.model_averaging(averager), msh, params, args.platform)
+            if averager
+            else None
+        )
         subgroup = hook_kwargs.get("subgroup") or "local"
         cfg = {
             "start": start if name != "DDP" else 10**9,
@@ -139,10 +145,11 @@ def main(argv=None):
         expect3,
     )
 
+    how = f"lowered for {args.platform}" if args.platform else "compiled for CPU"
     mb = lambda b: f"{b / 2**20:,.1f}"  # noqa: E731
     print(
         f"Bytes per device over {S} steps after the switch; {args.params:,} float32 "
-        f"parameters = {mb(P)} MiB; 8 devices.\n"
+        f"parameters = {mb(P)} MiB; 8 devices, {how}.\n"
     )
     print("| run | inside nodes (MiB) | across nodes (MiB) | arithmetic (inside, across) | equal |")
     print("|---|---:|---:|---|---|")

@@ -19,12 +19,15 @@ the table reports medians and the median of the per-pair ratios.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
 import jax
 
-jax.config.update("jax_num_cpu_devices", 8)
+if os.environ.get("LSGD_BENCH_PLATFORM", "cpu") == "cpu":
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", 8)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -146,16 +149,19 @@ def main(argv=None):
     parser.add_argument("--only-small", action="store_true")
     parser.add_argument("--only-large", action="store_true")
     parser.add_argument("--phases", nargs="+", default=["before", "local", "average"])
+    parser.add_argument("--mesh", default="2x4", help="NODESxLOCAL devices, e.g. 1x1 on one GPU")
     args = parser.parse_args(argv)
-    mesh = lsgd_jax.make_mesh(2, 4)
+    nodes, local = (int(v) for v in args.mesh.split("x"))
+    mesh = lsgd_jax.make_mesh(nodes, local, devices=jax.devices()[: nodes * local])
     rows = []
     if not args.only_large:
         rows += bench("small MLP", [64, 256, 256, 10], 32, args.reps, mesh, args.phases)
     if not args.only_small:
         rows += bench("MLP 10.5M", [1024, 2048, 2048, 2048, 10], 16, args.reps, mesh, args.phases)
+    kind = jax.devices()[0].device_kind
     print(
-        f"Median step time over {args.reps} interleaved repetitions, 8 simulated CPU devices "
-        f"(2 nodes x 4), jax {jax.__version__}.\n"
+        f"Median step time over {args.reps} interleaved repetitions, {nodes * local} x {kind} "
+        f"({nodes} nodes x {local}), jax {jax.__version__}.\n"
     )
     print(
         "| model | params | phase | lsgd_jax (ms) | hand-written (ms) "

@@ -91,6 +91,25 @@ class Collective:
         return "+".join(s for s in SCOPES if s in parts)
 
     @property
+    def wire_bytes(self) -> int:
+        """Bytes each device sends over links, for the usual algorithms (an estimate).
+
+        Ring all-reduce ``2 (g - 1) / g x bytes``; all-gather ``(g - 1) x bytes``;
+        reduce-scatter and all-to-all ``(g - 1) / g x bytes``; permute ``bytes``, for a
+        group of ``g``. Unlike ``bytes`` (what goes in), this compares collectives of
+        different kinds, e.g. a float32 all-reduce with a bfloat16 all-to-all + all-gather.
+        """
+        g = max(self.group_size, 1)
+        factor = {
+            "all-reduce": 2 * (g - 1) / g,
+            "all-gather": g - 1,
+            "reduce-scatter": (g - 1) / g,
+            "all-to-all": (g - 1) / g,
+            "ragged-all-to-all": (g - 1) / g,
+        }.get(self.kind, 1.0)
+        return round(self.bytes * factor)
+
+    @property
     def branch(self) -> int | None:
         """The branch of the outermost ``lax.cond``/``lax.switch`` that holds it, or None.
 
@@ -109,13 +128,13 @@ class CommunicationReport(tuple):
       >>> from lsgd_jax import Collective, CommunicationReport
       >>> c = Collective("all-reduce", 8, 1, ("node", "local"), 4096, True, "ar", "f", "", ())
       >>> print(CommunicationReport([c]))
-      kind        axes        group  groups  bytes  conditional  scope
-      ----------  ----------  -----  ------  -----  -----------  -----
-      all-reduce  node,local  8      1       4,096  yes
+      kind        axes        group  groups  bytes  wire bytes  conditional  scope
+      ----------  ----------  -----  ------  -----  ----------  -----------  -----
+      all-reduce  node,local  8      1       4,096  7,168       yes
     """
 
     def __str__(self) -> str:
-        head = ("kind", "axes", "group", "groups", "bytes", "conditional", "scope")
+        head = ("kind", "axes", "group", "groups", "bytes", "wire bytes", "conditional", "scope")
         rows = [head] + [
             (
                 c.kind,
@@ -123,6 +142,7 @@ class CommunicationReport(tuple):
                 str(c.group_size),
                 str(c.num_groups),
                 f"{c.bytes:,}",
+                f"{c.wire_bytes:,}",
                 "yes" if c.conditional else "no",
                 c.scope or c.op_name[-40:],
             )

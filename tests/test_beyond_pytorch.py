@@ -217,6 +217,8 @@ def test_bf16_communication_with_delta_is_accurate_and_halves_the_bytes():
             report = lsgd_jax.communication_report(f, *args, platform="cuda")
             kinds = sorted((c.kind, c.bytes, c.conditional) for c in report)
             assert kinds == [("all-gather", n * 2 // 8, True), ("all-to-all", n * 2, True)]
+            # on the wire: half of a float32 ring all-reduce (2 * 7/8 * 4n bytes)
+            assert sum(c.wire_bytes for c in report) == round(2 * 7 / 8 * 4 * n) // 2
     err_bf16 = np.abs(results["bf16"] - results["exact"]).max()
     err_delta = np.abs(results["delta"] - results["exact"]).max()
     assert err_bf16 > 1e-3  # params rounded to bf16 (|w| ~ 10: steps of ~0.03)
