@@ -18,6 +18,7 @@ import argparse
 
 import jax
 
+jax.config.update("jax_platforms", "cpu")  # compiled (or lowered) for 8 simulated devices
 jax.config.update("jax_num_cpu_devices", 8)
 
 import jax.numpy as jnp  # noqa: E402
