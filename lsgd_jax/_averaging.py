@@ -371,14 +371,7 @@ class _Averager:
             return run
 
         branches = [skip] + [make(b) for b in branches_spec]
-        with jax.named_scope("model_averaging"):  # names its collectives in the HLO
-            pinned = _phase.branch(_phase.averager_key(self))
-            if pinned is not None:  # data_parallel_step traces each phase on its own
-                return branches[pinned](operand, state)
-            level = self._level(state)
-            if len(branches) == 2:
-                return lax.cond(level > 0, branches[1], branches[0], operand, state)
-            return lax.switch(level, branches, operand, state)
+        return self._dispatch("model_averaging", state, branches, operand, state)
 
     def average_alongside(self, tree: Any, state: ModelAveragerState) -> Any:
         """The plain group mean of ``tree`` on the steps (and groups) that ``state`` averages.
@@ -408,14 +401,19 @@ class _Averager:
             functools.partial(lambda t, g: self._mean(t, g, state.step), g=group)
             for group, _, _ in self._branch_groups()
         ]
-        with jax.named_scope("model_state_averaging"):
+        return self._dispatch("model_state_averaging", state, branches, tree)
+
+    def _dispatch(self, scope: str, state: ModelAveragerState, branches: list, *operands):
+        """Runs the branch of this step's level: pinned while ``data_parallel_step``
+        traces one phase, else one ``lax.cond`` / ``lax.switch`` on the counters."""
+        with jax.named_scope(scope):  # names the collectives in the HLO
             pinned = _phase.branch(_phase.averager_key(self))
             if pinned is not None:
-                return branches[pinned](tree)
+                return branches[pinned](*operands)
             level = self._level(state)
             if len(branches) == 2:
-                return lax.cond(level > 0, branches[1], branches[0], tree)
-            return lax.switch(level, branches, tree)
+                return lax.cond(level > 0, branches[1], branches[0], *operands)
+            return lax.switch(level, branches, *operands)
 
     def average_parameters(
         self, params: Any, state: ModelAveragerState

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -69,3 +70,23 @@ def types_of(tree):
     """(treedef, leaf types): shapes, dtypes, weak types and varying axes."""
     leaves, treedef = jax.tree.flatten(tree)
     return treedef, [jax.typeof(x) for x in leaves]
+
+
+def linear_loss(params, x):
+    return jnp.mean((x @ params["w"] + params["b"]) ** 2)
+
+
+def train_step(tx, mesh, spec=DATA, loss=linear_loss, check_types=False):
+    """A jitted per-replica step ``(params, opt_state, x) -> (params, opt_state)`` over
+    replicated params and optimizer state; optionally asserts the state keeps its types."""
+
+    def body(params, opt_state, x):
+        params, opt_state = squeeze(params), squeeze(opt_state)
+        grads = jax.grad(loss)(params, x[0])
+        before = types_of(opt_state)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        if check_types:
+            assert types_of(opt_state) == before, "optimizer state changed type"
+        return unsqueeze(optax.apply_updates(params, updates)), unsqueeze(opt_state)
+
+    return smap(body, mesh, (spec, spec, spec), (spec, spec))

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import DATA, mesh_2x4, put, smap, squeeze, unsqueeze
+from helpers import DATA, linear_loss, mesh_2x4, put, smap, train_step
 from jax.sharding import PartitionSpec as P
 
 import lsgd_jax
@@ -14,18 +14,7 @@ from lsgd_jax._report import parse_hlo
 PARAM_BYTES = (16 * 8 + 8) * 4  # w: f32[16, 8], b: f32[8]
 
 
-def loss(params, x):
-    return jnp.mean((x @ params["w"] + params["b"]) ** 2)
-
-
-def train_step(tx, mesh, spec=DATA):
-    def body(params, opt_state, x):
-        params, opt_state = squeeze(params), squeeze(opt_state)
-        grads = jax.grad(loss)(params, x[0])
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return unsqueeze(optax.apply_updates(params, updates)), unsqueeze(opt_state)
-
-    return smap(body, mesh, (spec, spec, spec), (spec, spec))
+loss = linear_loss
 
 
 def report_for(tx, mesh, spec=DATA):
