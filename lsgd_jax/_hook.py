@@ -51,6 +51,10 @@ def post_localSGD_hook(state: PostLocalSGDState, grads: Any) -> tuple[Any, PostL
     Only floating-point leaves are averaged; each leaf keeps its dtype and its
     varying-axes type, so the result can be carried through ``lax.scan``.
 
+    Do not ``jax.vmap`` over replicas with per-replica counters: a ``lax.cond`` whose
+    predicate is batched becomes a ``select`` that runs both branches, i.e. both
+    all-reduces on every step. Map replicas with ``jax.shard_map`` or ``jax.pmap``.
+
     Args:
       state: a PostLocalSGDState. Its ``iter`` must be the same on every replica (it is,
         when it starts equal and only this function advances it).
