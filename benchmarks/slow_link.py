@@ -62,6 +62,7 @@ PREFIX = "lsgdsl"  # the names this benchmark owns: namespaces lsgdsl0/1, veths 
 SUBNET = "10.213.17"  # only inside the two namespaces
 PORT = 29517  # the coordinator's, inside namespace 0 (a fresh namespace: nothing else there)
 CMD_TIMEOUT = 20.0  # seconds for each ip / tc command
+MARK = "slow_link| "  # the workers' progress lines (gloo's C++ threads print in between)
 
 
 class CannotRun(Exception):
@@ -356,7 +357,7 @@ def worker(args) -> None:
 
     def say(msg):
         if me == 0:
-            print(msg, flush=True)
+            print(f"{MARK}{msg}", flush=True)
 
     sizes = [int(s) for s in args.sizes.split(",")]
 
@@ -544,8 +545,8 @@ def run_workers(args, rate: str, out_dir: pathlib.Path) -> list[dict]:
             for line in text[shown:].splitlines(keepends=True):
                 if line.endswith("\n"):
                     shown += len(line)
-                    if not line.startswith(("W0", "I0", "[Gloo]")):
-                        print(f"  [{rate}] {line}", end="", flush=True)
+                    if MARK in line:
+                        print(f"  [{rate}] {line.split(MARK, 1)[1]}", end="", flush=True)
             codes = [p.popen.poll() for p in procs]
             failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
             if failed or time.monotonic() > deadline:
@@ -697,6 +698,13 @@ def markdown(results: list[dict], command: str, args) -> str:
                 f"| {mb(row['bytes_per_step_after_switch'])} "
                 f"({mb(row['expected_bytes_per_step'])}) | {row['ddp_bytes_ratio']:.1f} |"
             )
+    lines.append("")
+    for r in results:
+        lines.append(
+            f"`ip -s link` at {r['rate']}: the veth carried {r['ip_link_bytes'] / 1e6:,.0f} MB "
+            "in the whole session (both directions); the all-reduces over the link that the "
+            f"workers ran account for {r['expected_session_bytes'] / 1e6:,.0f} MB."
+        )
     return "\n".join(lines)
 
 
