@@ -248,7 +248,7 @@ def requirements(
     if euid != 0:
         missing.append(
             "root (network namespaces, veth pairs and tc need CAP_NET_ADMIN and write "
-            "/etc/netns): run it with sudo, keeping PYTHONPATH"
+            "/etc/netns): e.g. sudo env PYTHONPATH=. python benchmarks/slow_link.py"
         )
     for tool, package in (("ip", "iproute2"), ("tc", "iproute2")):
         if which(tool) is None:
@@ -311,7 +311,8 @@ def link_bytes(prefix: str = PREFIX, run: Runner = run_cmd) -> int:
 
 def die_with_parent(parent: int) -> None:
     """Be killed when the launcher dies, even by SIGKILL (Linux's PR_SET_PDEATHSIG): an
-    orphaned worker would otherwise run its whole schedule (JAX catches SIGTERM)."""
+    orphaned worker would otherwise run its whole schedule (SIGTERM does not stop it once
+    jax.distributed is up)."""
     import ctypes
 
     pr_set_pdeathsig = 1
