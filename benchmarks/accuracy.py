@@ -2,7 +2,7 @@
 beyond PyTorch, on 8 simulated CPU devices arranged as 2 nodes x 4.
 
 Run: python benchmarks/accuracy.py --plot benchmarks/accuracy.png --json results.json
-(about 18 minutes on 2 shared CPU cores: 84 runs of 400 steps; ``--quick``, for CI: one
+(14 to 18 minutes on 2 shared CPU cores: 84 runs of 400 steps; ``--quick``, for CI: one
 task, one seed, 4 configurations of 32 steps, about 20 s). ``--from-json results.json
 --plot out.png`` prints and plots saved rows without training.
 
@@ -62,10 +62,12 @@ switch (what ``fragments`` lowers).
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import json
 import os
 import pathlib
+import shutil
 import sys
 import tempfile
 import time
@@ -295,7 +297,7 @@ def run_config(
     config: Config, task: str, data: Any, mesh: Any, sizes: Sizes, args: argparse.Namespace
 ) -> dict:
     """Trains ``config`` once per seed; returns the aggregated row."""
-    accs, seconds = [], []
+    accs, seconds, curves, fit, test_loss = [], [], [], [], []
     start = config.start(sizes)
     schedule = report = cpu_schedule = None
     for seed in args.seeds:
@@ -322,6 +324,9 @@ def run_config(
         elif row["schedule"].branch_bytes != cpu_schedule.branch_bytes:
             raise RuntimeError(f"{config.name}: the step differs between seeds")
         accs.append(row["test acc"])
+        curves.append(row["history"]["test_acc"])
+        fit.append(float(np.mean(row["history"]["loss"][-20:])))
+        test_loss.append(row["test loss"])
         seconds.append(time.perf_counter() - t0)
         if args.progress:
             print(
@@ -341,6 +346,10 @@ def run_config(
         "lowered": config.lowered,
         "option": config.option,
         "acc": accs,
+        "eval_step": row["history"]["eval_step"],
+        "test_acc_curve": [float(v) for v in np.mean(curves, axis=0)],
+        "train_loss_end": float(np.mean(fit)),
+        "test_loss_end": float(np.mean(test_loss)),
         "acc_mean": float(np.mean(accs)),
         "acc_std": float(np.std(accs, ddof=1)) if len(accs) > 1 else 0.0,
         "bytes": int(per_step.sum()),
@@ -386,6 +395,24 @@ OPTION_STYLE = {  # colour, marker, legend label
     "schedule": ("tab:brown", "*", "period schedule 32 -> 8"),
     "fragments": ("tab:olive", "X", "4 fragments"),
 }
+
+
+def curve_table(rows: list[dict]) -> str:
+    """Test accuracy during training (mean over seeds), the training loss over the last
+    20 steps and the final test loss."""
+    steps = rows[0]["eval_step"]
+    lines = [
+        "| configuration | "
+        + " | ".join(f"step {s}" for s in steps)
+        + " | train loss, last 20 | test loss |",
+        "|---|" + "---:|" * (len(steps) + 2),
+    ]
+    for r in rows:
+        accs = " | ".join(f"{100 * a:.1f}" for a in r["test_acc_curve"])
+        lines.append(
+            f"| {r['config']} | {accs} | {r['train_loss_end']:.3f} | {r['test_loss_end']:.2f} |"
+        )
+    return "\n".join(lines)
 
 
 def plot(rows: list[dict], tasks: list[str], path: str, seeds: list[int]) -> None:
@@ -506,6 +533,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(describe(task, args) + "\n")
         print(markdown_table([r for r in rows if r["task"] == task], args.seeds))
         print()
+        if args.eval_every < args.steps:
+            print(curve_table([r for r in rows if r["task"] == task]) + "\n")
     print(f"Total time {time.perf_counter() - t0:.0f} s.")
     if args.json and not args.from_json:
         argv_list = sys.argv[1:] if argv is None else list(argv)
@@ -521,26 +550,32 @@ def train_all(args: argparse.Namespace) -> list[dict]:
     """Every configuration on every task, each over the seeds; rows with their ratios."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     digits_cnn.setup_cpu_devices(8)
-    # The seeds of a configuration compile the same program: cache it across them.
-    cache = tempfile.TemporaryDirectory(prefix="lsgd_accuracy_jit_")
-    jax.config.update("jax_compilation_cache_dir", cache.name)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     mesh = lsgd_jax.make_mesh(num_nodes=2, devices_per_node=4)
     sizes = Sizes(args.steps, args.early, args.lr)
     configs = make_configs(args.periods, args.middle_periods, args.beyond)
     rows = []
-    try:
-        for task in args.tasks:
-            data = load_task(task)
-            for config in configs:
-                rows.append(run_config(config, task, data, mesh, sizes, args))
-    finally:
-        jax.config.update("jax_compilation_cache_dir", None)
-        cache.cleanup()
+    for task in args.tasks:
+        data = load_task(task)
+        for config in configs:
+            rows.append(run_config(config, task, data, mesh, sizes, args))
     add_ratios(rows)
     return rows
 
 
+def cache_compilations() -> None:
+    """Caches compiled programs in a temporary folder for this process's lifetime: the
+    seeds of a configuration compile the same program (about 4 s each, saved).
+
+    Only for a fresh process (the command line): JAX decides once per process, at its
+    first compilation, whether it uses the cache, and keeps writing to the folder after.
+    """
+    folder = tempfile.mkdtemp(prefix="lsgd_accuracy_jit_")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 if __name__ == "__main__":
+    cache_compilations()
     main()
