@@ -199,11 +199,23 @@ class Schedule:
     always_bytes: int
 
     def level(self, step: int) -> int:
-        return int(self.averager.level(step)) if self.averager is not None else 0
+        if self.averager is None:
+            return 0
+        if callable(getattr(self.averager, "period", None)):
+            # a period schedule: the level depends on the last average, so replay it
+            return int(_replayed_levels(self.averager, 1 << int(step).bit_length())[step])
+        return int(self.averager.level(step))
 
     @property
     def top(self) -> int:
-        return len(self.averager.groups) if self.averager is not None else 0
+        """The averager's levels: one per group, or per fragment (all of them global)."""
+        if self.averager is None:
+            return 0
+        return max(len(self.averager.groups), getattr(self.averager, "fragments", 1))
+
+    def is_global(self, level: int) -> bool:
+        """Whether averaging ``level`` averages over every replica (crosses nodes)."""
+        return level > 0 and (level == self.top or getattr(self.averager, "fragments", 1) > 1)
 
     def _branch(self, hook: int, level: int) -> int:
         """The phase branch of ``data_parallel_step``: the hook's phase (1 before the
@@ -233,8 +245,8 @@ class Schedule:
         """Global and node-local all-reduces of the first ``steps`` steps (not metrics)."""
         grad_global = min(steps, self.start)
         levels = [self.level(s) for s in range(steps)]
-        avg_global = sum(1 for v in levels if self.top and v == self.top)
-        avg_local = sum(1 for v in levels if 0 < v < self.top)
+        avg_global = sum(1 for v in levels if self.is_global(v))
+        avg_local = sum(1 for v in levels if v and not self.is_global(v))
         grad_local = steps - grad_global if self.local_grads else 0
         return {
             "grad_global": grad_global,
@@ -242,6 +254,11 @@ class Schedule:
             "global": grad_global + avg_global,
             "local": grad_local + avg_local,
         }
+
+
+@functools.lru_cache(maxsize=64)
+def _replayed_levels(averager: Any, num_steps: int) -> np.ndarray:
+    return averager.schedule(num_steps)
 
 
 def schedule_of(opt_state: Any, report: Any, params: Any) -> Schedule:

@@ -385,6 +385,26 @@ def _mlir_bytes(types: str) -> int:
     return total
 
 
+_MLIR_LOC_ALIAS = re.compile(r"^(#loc\d*)\s*=\s*loc\((.*)\)\s*$")
+
+
+def _mlir_loc_name(loc: str, aliases: dict[str, str], depth: int = 0) -> str:
+    """The JAX name of an MLIR location: ``"name"(...)``, through ``#loc`` aliases and
+    ``callsite(callee at caller)``; "" for file or unknown locations."""
+    loc = loc.strip()
+    if depth > 64:
+        return ""
+    if loc.startswith("#loc"):
+        return _mlir_loc_name(aliases.get(loc, ""), aliases, depth + 1)
+    name = re.match(r'"((?:[^"\\]|\\.)*)"(?!:\d)', loc)  # a name, not "file":line:col
+    if name:
+        return name.group(1)
+    callee = re.match(r"callsite\((#loc\d*|\S+)\s+at\b", loc)
+    if callee:
+        return _mlir_loc_name(callee.group(1), aliases, depth + 1)
+    return ""
+
+
 def parse_stablehlo(text: str, mesh: Any = None) -> CommunicationReport:
     """Lists the collectives of a StableHLO module (e.g. ``jax.export``'s ``mlir_module()``).
 
@@ -409,6 +429,7 @@ def parse_stablehlo(text: str, mesh: Any = None) -> CommunicationReport:
       [('all-reduce', 2, 12, True)]
     """
     lines = text.splitlines()
+    locs = dict(m.groups() for m in map(_MLIR_LOC_ALIAS.match, lines) if m)
     stack: list[int] = []  # indents of the open case/if ops
     out = []
     for k, line in enumerate(lines):
@@ -431,16 +452,20 @@ def parse_stablehlo(text: str, mesh: Any = None) -> CommunicationReport:
             )
         else:
             groups = ((),)
-        close = next(
-            (
-                later
-                for later in lines[k + 1 :]
-                if later.strip().startswith("})") and len(later) - len(later.lstrip()) == indent
-            ),
-            line,
-        )
+        # An op with a region (all_reduce's reducer) ends at its "})" line, with the
+        # types and location there; one without (all_to_all, all_gather) on its own line.
+        close = line
+        if line.rstrip().endswith("({"):
+            close = next(
+                (
+                    later
+                    for later in lines[k + 1 :]
+                    if later.strip().startswith("})") and len(later) - len(later.lstrip()) == indent
+                ),
+                line,
+            )
         result_types = close.split("->", 1)[-1] if "->" in close else ""
-        op = re.search(r"loc\(([^)]*)\)", close)
+        op = re.search(r"\bloc\((.*)\)\s*$", close)
         size = max(len(g) for g in groups) or 1
         out.append(
             Collective(
@@ -452,7 +477,7 @@ def parse_stablehlo(text: str, mesh: Any = None) -> CommunicationReport:
                 conditional=bool(stack),
                 name=stripped.split("=", 1)[0].strip(),
                 computation="",
-                op_name=op.group(1) if op else "",
+                op_name=_mlir_loc_name(op.group(1), locs) if op else "",
                 replica_groups=groups,
             )
         )

@@ -232,3 +232,38 @@ def test_the_step_lowers_for_gpu_and_tpu_with_collectives_inside_conditionals(pl
     for axes in [("local",), ("node", "local")]:
         cond = report.where(conditional=True, axes=axes)
         assert sum(c.bytes for c in cond) == (3 + 2) * PARAM_BYTES
+
+
+def test_lowered_report_reads_single_line_collectives_and_names_their_scope_and_phase():
+    # all_to_all / all_gather have no region: their types and location are on their own
+    # line (the parser once took them from a later "})" line: wrong bytes), and the
+    # location is a #loc alias whose name holds the scope and the phase branch.
+    mesh = mesh_2x4()
+    averager = lsgd_jax.PeriodicModelAverager(
+        2, warmup_steps=10, communication_dtype=jnp.bfloat16, delta=True
+    )
+    tx = optax.chain(
+        lsgd_jax.post_local_sgd(10), optax.sgd(0.1), lsgd_jax.model_averaging(averager)
+    )
+    step = lsgd_jax.data_parallel_step(loss, tx, mesh)
+    params = {"w": jnp.ones((16, 8)), "b": jnp.zeros(8)}
+    args = (
+        lsgd_jax.replicate(params, mesh),
+        None,
+        lsgd_jax.replicate(tx.init(params), mesh),
+        put(jnp.ones((32, 16)), mesh, DATA),
+    )
+    report = lsgd_jax.communication_report(step.jitted, *args, platform="cuda")
+    # 2 hook phases x (no average, average): the average sits in branches 1 and 3
+    sent = [(c.kind, c.bytes, c.scope, c.branch) for c in report if c.kind != "all-reduce"]
+    n = PARAM_BYTES // 4  # 136 floats, a multiple of 8: no padding
+    assert sorted(sent) == [
+        ("all-gather", n * 2 // 8, "model_averaging", 1),
+        ("all-gather", n * 2 // 8, "model_averaging", 3),
+        ("all-to-all", n * 2, "model_averaging", 1),
+        ("all-to-all", n * 2, "model_averaging", 3),
+    ]
+    hook = report.where(scope="post_localSGD_hook")
+    assert {c.branch for c in hook} == {0, 1, 2, 3}
+    assert {c.branch for c in hook.where(axes=("node", "local"))} == {2, 3}  # before
+    assert [c.scope for c in report.where(conditional=False)] == ["metrics"]
