@@ -208,14 +208,12 @@ class Schedule:
 
     @property
     def top(self) -> int:
-        """The averager's levels: one per group, or per fragment (all of them global)."""
-        if self.averager is None:
-            return 0
-        return max(len(self.averager.groups), getattr(self.averager, "fragments", 1))
+        """The averager's number of levels: one per group, or per fragment."""
+        return self.averager.num_levels if self.averager is not None else 0
 
     def is_global(self, level: int) -> bool:
         """Whether averaging ``level`` averages over every replica (crosses nodes)."""
-        return level > 0 and (level == self.top or getattr(self.averager, "fragments", 1) > 1)
+        return self.averager is not None and self.averager.is_global(level)
 
     def _branch(self, hook: int, level: int) -> int:
         """The phase branch of ``data_parallel_step``: the hook's phase (1 before the

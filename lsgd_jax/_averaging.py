@@ -51,6 +51,13 @@ _OPTIONS_DOC = """
         et al., ICLR 2020; DiLoCo, Douillard et al., 2023: ``optax.sgd(0.7,
         momentum=0.9, nesterov=True)``). ``optax.sgd(1.0)`` is plain averaging, exactly.
         Its state and the anchor live in the averager's state: ``init(params)``.
+      outer_skip_first: the first global average is a plain average that sets the
+        anchor, and the outer optimizer acts from the second one on (default). Otherwise
+        the anchor is the params given to ``init``, and the first outer step, at the
+        switch, takes the whole synchronous warm-up as one pseudo-gradient: with
+        Nesterov momentum that overshoots it (measured on digits: accuracy dips to 93%
+        after the switch; see benchmarks/RESULTS.md). False matches DiLoCo without a
+        warm-up phase.
       communication_dtype: e.g. ``jnp.bfloat16``: send the average in this dtype (an
         all-to-all and an all-gather, about half the bytes of a float32 all-reduce) and
         sum it in float32. The params are then rounded to this dtype at each average
@@ -96,7 +103,7 @@ def _log_nonfinite(policy: str, step: Any, replica: Any, excluded: Any) -> None:
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["step", "anchor", "outer_state", "last_sync"],
+    data_fields=["step", "anchor", "outer_state", "outer_count", "last_sync"],
     meta_fields=["averager"],
 )
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -114,6 +121,7 @@ class ModelAveragerState:
       averager: the PeriodicModelAverager or HierarchicalModelAverager that owns it.
       anchor: the params at the last global average (``outer_optimizer``, ``delta``).
       outer_state: the outer optimizer's state.
+      outer_count: int32 scalar, the global averages so far (``outer_optimizer``).
       last_sync: int32 scalar, the step of the last average (a callable ``period``).
 
     Example:
@@ -127,6 +135,7 @@ class ModelAveragerState:
     averager: Any = None
     anchor: Any = None
     outer_state: Any = None
+    outer_count: Any = None
     last_sync: Any = None
 
     def replace(self, **changes: Any) -> ModelAveragerState:
@@ -185,6 +194,7 @@ class _Averager:
     warmup_steps: int
     nonfinite: str
     outer_optimizer: Any
+    outer_skip_first: bool
     communication_dtype: Any
     delta: bool
 
@@ -197,8 +207,9 @@ class _Averager:
                 f"outer_optimizer must be an optax GradientTransformation, got "
                 f"{self.outer_optimizer!r}; e.g. optax.sgd(0.7, momentum=0.9, nesterov=True)."
             )
-        if not isinstance(self.delta, bool):
-            raise TypeError(f"delta must be True or False, got {self.delta!r}.")
+        for flag in ("delta", "outer_skip_first"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"{flag} must be True or False, got {getattr(self, flag)!r}.")
         if self.communication_dtype is not None:
             dtype = jnp.dtype(self.communication_dtype)
             if not jnp.issubdtype(dtype, jnp.floating):
@@ -221,6 +232,34 @@ class _Averager:
     @property
     def groups(self) -> tuple[Group | None, ...]:
         raise NotImplementedError
+
+    @property
+    def num_levels(self) -> int:
+        """How many nonzero levels ``level`` / ``schedule`` can return.
+
+        Example:
+          >>> import lsgd_jax
+          >>> lsgd_jax.PeriodicModelAverager(8, fragments=4).num_levels
+          4
+        """
+        return len(self.groups)
+
+    def is_global(self, level: int) -> bool:
+        """Whether an average at ``level`` spans the global group (crosses every node).
+
+        Args:
+          level: a level from ``level`` or ``schedule`` (0: no average).
+
+        Returns:
+          True for the last group's level (every fragment, with fragments).
+
+        Example:
+          >>> import lsgd_jax
+          >>> avg = lsgd_jax.HierarchicalModelAverager({2: "local", 8: ("node", "local")})
+          >>> [avg.is_global(k) for k in range(3)]
+          [False, False, True]
+        """
+        return level == self.num_levels if len(self.groups) > 1 else level > 0
 
     def level(self, step: Any) -> Any:
         raise NotImplementedError
@@ -262,8 +301,12 @@ class _Averager:
                     "params: call averager.init(params)."
                 )
             anchor = jax.tree.map(jnp.asarray, params)
-            outer = self.outer_optimizer.init(anchor) if self.outer_optimizer else None
-            state = state.replace(anchor=anchor, outer_state=outer)
+            state = state.replace(anchor=anchor)
+            if self.outer_optimizer is not None:
+                state = state.replace(
+                    outer_state=self.outer_optimizer.init(anchor),
+                    outer_count=jnp.zeros([], jnp.int32),
+                )
         if self._tracks_last_sync:
             state = state.replace(last_sync=jnp.zeros([], jnp.int32))
         return state
@@ -339,8 +382,18 @@ class _Averager:
             updates, outer_state = self.outer_optimizer.update(pseudo_grad, state.outer_state, a_in)
             # anchor + updates, written so that sgd(1.0) gives the mean exactly:
             # updates == -pseudo_grad then, so pseudo_grad + updates == 0.
-            mean_p = jax.tree.map(lambda m, g, u: m + (g + u), mean_p, pseudo_grad, updates)
-            state = state.replace(outer_state=_cast_like(outer_state, state.outer_state))
+            stepped = jax.tree.map(lambda m, g, u: m + (g + u), mean_p, pseudo_grad, updates)
+            if self.outer_skip_first:  # the first global average only sets the anchor
+                first = state.outer_count == 0
+                stepped = jax.tree.map(lambda a, b: jnp.where(first, a, b), mean_p, stepped)
+                outer_state = jax.tree.map(
+                    lambda a, b: jnp.where(first, a, b), state.outer_state, outer_state
+                )
+            mean_p = stepped
+            state = state.replace(
+                outer_state=_cast_like(outer_state, state.outer_state),
+                outer_count=optax.safe_increment(state.outer_count),
+            )
         if fragment is not None:
             mean_p, mean_e = fragment.put(params, mean_p), fragment.put(extra, mean_e)
         if is_global and anchor is not None:
@@ -486,28 +539,49 @@ class _Averager:
 
 @dataclasses.dataclass(frozen=True)
 class _Fragment:
-    """Leaves ``k`` of ``K`` near-equal-size fragments of a pytree (greedy by bytes)."""
+    """The k-th of K equal slices of a pytree's floating values, in flattened order.
+
+    A leaf may be cut between two fragments; ``take`` returns the flat pieces of this
+    fragment, ``put`` writes new values into exactly those positions (static slices,
+    so only this fragment's elements are touched).
+    """
 
     k: int
     count: int
 
-    def _indices(self, leaves: list[Any]) -> list[int]:
-        loads = [0] * self.count
-        owner = []
-        for x in leaves:
-            i = loads.index(min(loads))
-            owner.append(i)
-            loads[i] += int(np.prod(jnp.shape(x))) * jnp.dtype(jnp.result_type(x)).itemsize
-        return [j for j, o in enumerate(owner) if o == self.k]
+    def _pieces(self, leaves: list[Any]) -> list[tuple[int, int, int]]:
+        """``(leaf index, lo, hi)``: the raveled leaf's slice that falls in this fragment."""
+        sizes = [
+            (i, int(np.prod(jnp.shape(x))))
+            for i, x in enumerate(leaves)
+            if _collectives.is_averaged(x)
+        ]
+        total = sum(n for _, n in sizes)
+        if total and total < self.count:
+            raise ValueError(
+                f"fragments={self.count} needs at least that many floating values to split, "
+                f"got {total}; use fewer fragments."
+            )
+        chunk = -(-total // self.count)
+        start, end = self.k * chunk, min((self.k + 1) * chunk, total)
+        pieces, offset = [], 0
+        for i, n in sizes:
+            lo, hi = max(start, offset), min(end, offset + n)
+            if lo < hi:
+                pieces.append((i, lo - offset, hi - offset))
+            offset += n
+        return pieces
 
     def take(self, tree: Any) -> list[Any]:
         leaves = jax.tree.leaves(tree)
-        return [leaves[j] for j in self._indices(leaves)]
+        return [jnp.ravel(leaves[i])[lo:hi] for i, lo, hi in self._pieces(leaves)]
 
     def put(self, tree: Any, values: list[Any]) -> Any:
         leaves, treedef = jax.tree.flatten(tree)
-        for j, v in zip(self._indices(leaves), values):
-            leaves[j] = v
+        for (i, lo, hi), v in zip(self._pieces(leaves), values):
+            x = leaves[i]
+            flat = jnp.ravel(x).at[lo:hi].set(v.astype(x.dtype))
+            leaves[i] = _collectives.cast_varying(flat.reshape(x.shape), _collectives.vma(x))
         return jax.tree.unflatten(treedef, leaves)
 
 
@@ -515,6 +589,7 @@ def _options() -> dict[str, Any]:
     return {
         "nonfinite": dataclasses.field(default="propagate", kw_only=True),
         "outer_optimizer": dataclasses.field(default=None, kw_only=True),
+        "outer_skip_first": dataclasses.field(default=True, kw_only=True),
         "communication_dtype": dataclasses.field(default=None, kw_only=True),
         "delta": dataclasses.field(default=False, kw_only=True),
     }
@@ -541,8 +616,8 @@ class PeriodicModelAverager(_Averager):
         SGD", SysML 2019). For a constant schedule this is the same rule.
       warmup_steps: steps before the first average (>= 0).
       process_group: the axes to average over; None: every mapped axis bound where it runs.
-      fragments: split the params into this many near-equal fragments (by leaves) and
-        average one fragment at a time, round robin, each every ``period`` steps, the
+      fragments: split the params into this many equal slices of their flattened values
+        and average one slice at a time, round robin, each every ``period`` steps, the
         k-th offset by ``k * period / fragments`` steps: the peak cross-node traffic per
         step drops ``fragments`` times (Streaming DiLoCo, Douillard et al., 2025).
         ``period`` must be an int divisible by ``fragments``.{options}
@@ -563,6 +638,7 @@ class PeriodicModelAverager(_Averager):
     fragments: int = dataclasses.field(default=1, kw_only=True)
     nonfinite: str = _options()["nonfinite"]
     outer_optimizer: Any = _options()["outer_optimizer"]
+    outer_skip_first: bool = _options()["outer_skip_first"]
     communication_dtype: Any = _options()["communication_dtype"]
     delta: bool = _options()["delta"]
 
@@ -599,6 +675,10 @@ class PeriodicModelAverager(_Averager):
     @property
     def groups(self) -> tuple[Group | None, ...]:
         return (self.process_group,)
+
+    @property
+    def num_levels(self) -> int:  # type: ignore[override]
+        return self.fragments
 
     def level(self, step: Any) -> Any:
         """Which call averages: 0 for none, else 1 (or the fragment number, 1-based).
@@ -698,6 +778,7 @@ class HierarchicalModelAverager(_Averager):
     process_group: GroupSpec = None
     nonfinite: str = _options()["nonfinite"]
     outer_optimizer: Any = _options()["outer_optimizer"]
+    outer_skip_first: bool = _options()["outer_skip_first"]
     communication_dtype: Any = _options()["communication_dtype"]
     delta: bool = _options()["delta"]
 

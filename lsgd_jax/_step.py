@@ -72,7 +72,7 @@ def _phases(opt_state: Any) -> list[tuple[Any, int, jax.Array]] | None:
             phases.append((_phase.hook_key(node), 2, index))
         elif isinstance(node, ModelAveragerState) and node.averager is not None:
             averager = node.averager
-            levels = len(averager._branch_groups())
+            levels = averager.num_levels
             phases.append((_phase.averager_key(averager), levels + 1, averager._level(node)))
     keys = [k for k, _, _ in phases]
     if not phases or len(set(keys)) != len(keys):

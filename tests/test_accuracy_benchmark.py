@@ -5,9 +5,7 @@ import pathlib
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -56,20 +54,6 @@ def test_quick_run_bytes_follow_the_schedule_and_it_learns(tmp_path, capsys):
 
     for row in rows:
         assert row["acc_mean"] > 0.6  # 10 classes: chance is 0.1
-
-
-def test_skip_first_outer_step_is_plain_averaging_then_the_outer_optimizer():
-    accuracy = load_benchmark()
-    outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
-    tx = accuracy.skip_first_outer_step(outer)
-    p = {"w": jnp.ones(3)}
-    g1, g2 = {"w": jnp.full(3, 2.0)}, {"w": jnp.full(3, 0.5)}
-    state = tx.init(p)
-    u1, state = tx.update(g1, state, p)
-    np.testing.assert_array_equal(u1["w"], -g1["w"])  # mean + (g + u) == mean exactly
-    u2, _ = tx.update(g2, state, p)
-    want, _ = outer.update(g2, outer.init(p), p)  # as if the first step never happened
-    np.testing.assert_allclose(u2["w"], want["w"])
 
 
 def test_noisy_digits_split_and_noise():

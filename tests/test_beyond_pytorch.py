@@ -69,16 +69,21 @@ def test_outer_nesterov_matches_a_hand_computed_reference():
     params = {k: np.broadcast_to(v, (8, *v.shape)).copy() for k, v in p0.items()}
     anchor = {k: v.copy() for k, v in p0.items()}
     buf = {k: np.zeros_like(v) for k, v in p0.items()}
+    first = True
     for s in range(steps):
         for k in params:
             noise = np.asarray(jax.random.normal(jax.random.key(s), (8, *p0[k].shape)), np.float64)
             params[k] = params[k] + 0.1 * noise
         if s >= warmup and (s - warmup) % period == 0:
             for k in params:
-                g = anchor[k] - params[k].mean(0)  # pseudo-gradient: old minus new
-                buf[k] = g + mom * buf[k]
-                anchor[k] = anchor[k] - lr * (g + mom * buf[k])  # Nesterov, descent
+                if first:  # the first global average only sets the anchor
+                    anchor[k] = params[k].mean(0)
+                else:
+                    g = anchor[k] - params[k].mean(0)  # pseudo-gradient: old minus new
+                    buf[k] = g + mom * buf[k]
+                    anchor[k] = anchor[k] - lr * (g + mom * buf[k])  # Nesterov, descent
                 params[k] = np.broadcast_to(anchor[k], params[k].shape).copy()
+            first = False
         for k in params:
             np.testing.assert_allclose(hist[s][k], params[k], rtol=2e-5, atol=2e-6)
 
@@ -86,7 +91,11 @@ def test_outer_nesterov_matches_a_hand_computed_reference():
 def test_outer_step_moves_along_the_averaged_direction():
     # Sign convention (torchft once shipped it inverted): with lr > 1 the outer step
     # extrapolates past the mean, away from the anchor, never back through it.
-    averager = lsgd_jax.PeriodicModelAverager(2, outer_optimizer=optax.sgd(2.0))
+    averager = lsgd_jax.PeriodicModelAverager(
+        2,
+        outer_optimizer=optax.sgd(2.0),
+        outer_skip_first=False,  # anchor: the init params
+    )
     plain = lsgd_jax.PeriodicModelAverager(2)
     p0 = np.asarray(jax.random.normal(jax.random.key(0), (64,)))
     hist, _ = local_run(averager, 3, shape=(64,))
@@ -96,6 +105,16 @@ def test_outer_step_moves_along_the_averaged_direction():
     mean_move = ref[0]["w"][0] - p0
     np.testing.assert_allclose(moved, 2 * mean_move, rtol=1e-4, atol=1e-6)
     assert float(np.dot(moved, mean_move)) > 0
+
+
+def test_first_global_average_only_sets_the_anchor_by_default():
+    outer = lsgd_jax.PeriodicModelAverager(2, outer_optimizer=optax.sgd(2.0))
+    plain = lsgd_jax.PeriodicModelAverager(2)
+    a, state = local_run(outer, 3)
+    b, _ = local_run(plain, 3)
+    np.testing.assert_array_equal(a[0]["w"], b[0]["w"])  # step 0: a plain average
+    assert not np.allclose(a[2]["w"], b[2]["w"])  # step 2: an outer step (lr 2)
+    assert int(state.outer_count) == 2
 
 
 def test_outer_optimizer_needs_params_at_init():
@@ -264,12 +283,13 @@ def test_fragments_average_one_part_per_step_round_robin():
     averager = lsgd_jax.PeriodicModelAverager(4, warmup_steps=1, fragments=2)
     assert averager.schedule(10).tolist() == [0, 1, 0, 2, 0, 1, 0, 2, 0, 1]
     hist, _ = local_run(averager, 8, shape=(40,))
-    # Leaves in tree order, "b" (3 floats) then "w" (40), go greedily to the lighter
-    # fragment: "b" is fragment 1, "w" fragment 2.
+    # The 43 floats in flattened order, "b" (3) then "w" (40), cut in two equal slices:
+    # fragment 1 = b + w[:19], fragment 2 = w[19:].
     synced = lambda x: all(np.array_equal(x[r], x[0]) for r in range(8))  # noqa: E731
-    assert synced(hist[1]["b"]) and not synced(hist[1]["w"])
-    assert synced(hist[3]["w"]) and not synced(hist[3]["b"])
-    # The compiled step: one switch, one all-reduce per fragment, each a part of the params.
+    assert synced(hist[1]["b"]) and synced(hist[1]["w"][:, :19])
+    assert not synced(hist[1]["w"][:, 19:])
+    assert synced(hist[3]["w"][:, 19:]) and not synced(hist[3]["b"])
+    # The compiled step: one switch, one all-reduce per fragment, each half the params.
     p0 = {"w": jnp.zeros(40), "b": jnp.zeros(3)}
 
     def body(p, s):
@@ -280,8 +300,9 @@ def test_fragments_average_one_part_per_step_round_robin():
     report = lsgd_jax.communication_report(
         f, lsgd_jax.replicate(p0, mesh), put(averager.init(), mesh, P())
     )
-    assert sorted(c.bytes for c in report) == [3 * 4, 40 * 4]
+    assert sorted(c.bytes for c in report) == [21 * 4, 22 * 4]
     assert all(c.conditional for c in report)
+    assert averager.num_levels == 2 and averager.is_global(1) and averager.is_global(2)
 
 
 def test_fragment_options_are_validated():
