@@ -204,6 +204,19 @@ ENTRY %main (p: f32[10], c: pred[]) -> f32[10] {{
     assert "all-reduce" in str(report) and "yes" in str(report)
 
 
+def lowered_step_report(tx, mesh, platform):
+    """The report of a data_parallel_step lowered for ``platform`` with jax.export."""
+    step = lsgd_jax.data_parallel_step(loss, tx, mesh)
+    params = {"w": jnp.ones((16, 8)), "b": jnp.zeros(8)}
+    args = (
+        lsgd_jax.replicate(params, mesh),
+        None,
+        lsgd_jax.replicate(tx.init(params), mesh),
+        put(jnp.ones((32, 16)), mesh, DATA),
+    )
+    return lsgd_jax.communication_report(step.jitted, *args, platform=platform)
+
+
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_the_step_lowers_for_gpu_and_tpu_with_collectives_inside_conditionals(platform):
     mesh = mesh_2x4()
@@ -214,15 +227,7 @@ def test_the_step_lowers_for_gpu_and_tpu_with_collectives_inside_conditionals(pl
             lsgd_jax.HierarchicalModelAverager({2: "local", 8: ("node", "local")}, 10)
         ),
     )
-    step = lsgd_jax.data_parallel_step(loss, tx, mesh)
-    params = {"w": jnp.ones((16, 8)), "b": jnp.zeros(8)}
-    args = (
-        lsgd_jax.replicate(params, mesh),
-        None,
-        lsgd_jax.replicate(tx.init(params), mesh),
-        put(jnp.ones((32, 16)), mesh, DATA),
-    )
-    report = lsgd_jax.communication_report(step.jitted, *args, platform=platform)
+    report = lowered_step_report(tx, mesh, platform)
     # Before XLA combines them, there is one all-reduce per leaf. data_parallel_step
     # traces the step once per phase, 2 hook phases x 3 averaging levels (none, "local",
     # global) = 6 branches of one switch: the node-local gradient mean sits in 3 of them,
@@ -245,15 +250,7 @@ def test_lowered_report_reads_single_line_collectives_and_names_their_scope_and_
     tx = optax.chain(
         lsgd_jax.post_local_sgd(10), optax.sgd(0.1), lsgd_jax.model_averaging(averager)
     )
-    step = lsgd_jax.data_parallel_step(loss, tx, mesh)
-    params = {"w": jnp.ones((16, 8)), "b": jnp.zeros(8)}
-    args = (
-        lsgd_jax.replicate(params, mesh),
-        None,
-        lsgd_jax.replicate(tx.init(params), mesh),
-        put(jnp.ones((32, 16)), mesh, DATA),
-    )
-    report = lsgd_jax.communication_report(step.jitted, *args, platform="cuda")
+    report = lowered_step_report(tx, mesh, "cuda")
     # 2 hook phases x (no average, average): the average sits in branches 1 and 3
     sent = [(c.kind, c.bytes, c.scope, c.branch) for c in report if c.kind != "all-reduce"]
     n = PARAM_BYTES // 4  # 136 floats, a multiple of 8: no padding
