@@ -311,13 +311,16 @@ class _Averager:
             state = state.replace(last_sync=jnp.zeros([], jnp.int32))
         return state
 
-    _tracks_last_sync = False
+    @property
+    def _tracks_last_sync(self) -> bool:
+        """A period schedule (a callable period) needs the step of the last average."""
+        return callable(getattr(self, "period", None))
 
     def schedule(self, num_steps: int) -> np.ndarray:
         """The level of every call from step 0 to ``num_steps - 1``, as a numpy array.
 
         Works for every option (a callable period included), so it is the way to count
-        averages, e.g. ``(avg.schedule(1000) == len(avg.groups)).sum()`` global ones.
+        averages, e.g. ``sum(map(avg.is_global, avg.schedule(1000)))`` global ones.
 
         Args:
           num_steps: how many calls.
@@ -669,10 +672,6 @@ class PeriodicModelAverager(_Averager):
                 )
 
     @property
-    def _tracks_last_sync(self) -> bool:  # type: ignore[override]
-        return callable(self.period)
-
-    @property
     def groups(self) -> tuple[Group | None, ...]:
         return (self.process_group,)
 
@@ -829,10 +828,9 @@ class HierarchicalModelAverager(_Averager):
                     f"but {small!r} is not inside {big!r}."
                 )
         last = groups[-1]
-        if global_group is not None and last is not None and last != global_group:
-            if _collectives.group_axes(last) != _collectives.group_axes(global_group) or isinstance(
-                last, _collectives.IndexGroups
-            ):
+        covers = _collectives.group_covers
+        if global_group is not None and last is not None:
+            if not (covers(last, global_group) and covers(global_group, last)):  # same group
                 raise ValueError(
                     f"The last group of period_group_dict must be the global group "
                     f"{global_group!r}, got {last!r}; add a level for the global axes (when "

@@ -20,8 +20,6 @@ def _default_subgroup() -> Any:
     """``"local"`` where bound; under a single (pmap) axis, the process layout."""
     bound = _collectives.bound_axes()
     if DEFAULT_SUBGROUP[0] not in bound and len(bound) == 1:
-        import jax
-
         if lax.axis_size(bound[0]) == jax.device_count():
             return _collectives.node_groups(bound[0])
     return DEFAULT_SUBGROUP
