@@ -1,0 +1,831 @@
+"""An executable specification of lsgd_jax: the documented rules, in plain NumPy.
+
+Nothing here imports lsgd_jax, jax or optax. The model replays R replicas step by step,
+each rule in its own small function whose docstring quotes the rule it implements. Values
+are stacked per replica: every array has a leading replica axis of size R, and replica r
+is the device at row-major position r of the mesh. Arithmetic is float32 where the library
+is float32 (group means are taken in float64 and rounded once, so they agree with any
+summation order to a float32 ulp or so); ``ml_dtypes.bfloat16`` models the rounding of
+``communication_dtype=jnp.bfloat16``.
+
+A run is described by plain, hashable configs (``Topology``, ``HookConfig``,
+``InnerConfig``, ``AveragerConfig``, ``RunConfig``) and a list of per-step ``Batch``es;
+``simulate`` returns one ``Snapshot`` (a dict of named per-replica arrays) per step, the
+names being what the tests read back from the library's state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+F32 = np.float32
+BF16 = ml_dtypes.bfloat16
+
+Tree = dict[str, np.ndarray]  # leaf name -> per-replica array (R, *shape)
+Snapshot = dict[str, np.ndarray]
+TRAINABLE = ("a", "b")  # the float32 params leaves the loss (and the optimizer) sees
+
+
+# --- mesh and groups ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """The data axes of the mesh, e.g. ``("node", "local")`` with shape ``(2, 4)``."""
+
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def coords(self, r: int) -> tuple[int, ...]:
+        """Rule: "Replica r is the device at row-major position r"."""
+        return tuple(int(c) for c in np.unravel_index(r, self.shape))
+
+    def groups(self, axes: tuple[str, ...] | None) -> list[list[int]]:
+        """Rule: "A group named by axes A = the replicas that share their coordinates on
+        every data axis NOT in A; the global group = all data axes" (``None``: global)."""
+        axes = self.names if axes is None else tuple(axes)
+        unknown = set(axes) - set(self.names)
+        assert not unknown, f"axes {unknown} are not data axes of {self.names}"
+        keep = [i for i, name in enumerate(self.names) if name not in axes]
+        out: dict[tuple[int, ...], list[int]] = {}
+        for r in range(self.size):
+            c = self.coords(r)
+            out.setdefault(tuple(c[i] for i in keep), []).append(r)
+        return list(out.values())
+
+
+# --- means ----------------------------------------------------------------------------------
+
+
+def is_floating(x: np.ndarray) -> bool:
+    """Rule: "Only floating leaves are averaged" (complex leaves count as floating)."""
+    return np.issubdtype(x.dtype, np.inexact)
+
+
+def exact_mean(xs: np.ndarray) -> np.ndarray:
+    """The arithmetic mean over the leading (member) axis, rounded once to the dtype."""
+    wide = np.complex128 if np.iscomplexobj(xs) else np.float64
+    with np.errstate(invalid="ignore", over="ignore"):
+        return xs.astype(wide).mean(axis=0).astype(xs.dtype)
+
+
+def bf16_mean(xs: np.ndarray) -> np.ndarray:
+    """Rule (communication_dtype=jnp.bfloat16): "each member's x (float32) is rounded to
+    bf16, summed in float32, divided by |G|, and the mean rounded to bf16 again, then cast
+    to the leaf's dtype; complex leaves are averaged as their real and imaginary parts"."""
+    if np.iscomplexobj(xs):
+        real = bf16_mean(xs.real.astype(F32))
+        imag = bf16_mean(xs.imag.astype(F32))
+        return (real + 1j * imag).astype(xs.dtype)
+    with np.errstate(invalid="ignore", over="ignore"):
+        sent = xs.astype(F32).astype(BF16).astype(F32)
+        total = sent.sum(axis=0, dtype=F32)
+        return (total / F32(len(xs))).astype(BF16).astype(xs.dtype)
+
+
+def group_mean(x: np.ndarray, groups: list[list[int]]) -> np.ndarray:
+    """Every member of each group receives the plain mean of the group (NaN spreads)."""
+    out = x.copy()
+    for g in groups:
+        out[g] = exact_mean(x[g])
+    return out
+
+
+def used_members(finite: list[bool], policy: str) -> list[int] | None:
+    """Which members a mean is taken over, or None for a skipped average.
+
+    Rule: "propagate (default): plain mean, NaN spreads. exclude: mean of the finite
+    members only, which every member (the non-finite ones too) receives; if no member is
+    finite, nothing changes (as skip). skip: if any member of G is non-finite, the whole
+    group keeps its own values this time."
+    """
+    everyone = list(range(len(finite)))
+    if policy == "propagate":
+        return everyone
+    if policy == "exclude":
+        chosen = [i for i in everyone if finite[i]]
+        return chosen or None
+    if policy == "skip":
+        return everyone if all(finite) else None
+    raise ValueError(policy)
+
+
+# --- the hook --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class HookConfig:
+    """``PostLocalSGDState(process_group, subgroup, start, post_local_gradient_allreduce)``."""
+
+    start: int
+    post_local_gradient_allreduce: bool = True
+    subgroup: tuple[str, ...] | None = None  # None: ("local",)
+    process_group: tuple[str, ...] | None = None  # None: every data axis
+
+
+def hook_step(cfg: HookConfig, it: int, grads: Tree, topo: Topology) -> tuple[Tree, int]:
+    """Rule: "If start == 0: local phase from the start. If iter < start: g <- mean of g
+    over the global group, iter += 1. Else: g <- mean over the subgroup if
+    post_local_gradient_allreduce else g unchanged; iter stays. Only floating leaves are
+    averaged. A NaN in a mean spreads to the whole group." The hook's iter stops at start.
+    """
+    if cfg.start > 0 and it < cfg.start:
+        groups = topo.groups(cfg.process_group)
+        return {k: group_mean(g, groups) for k, g in grads.items()}, it + 1
+    if not cfg.post_local_gradient_allreduce:
+        return grads, it
+    groups = topo.groups(cfg.subgroup if cfg.subgroup is not None else ("local",))
+    return {k: group_mean(g, groups) for k, g in grads.items()}, it
+
+
+def ddp_mean(grads: Tree, topo: Topology) -> Tree:
+    """Rule: "Without a hook, data_parallel_step averages gradients over all data axes
+    every step (DDP)"."""
+    groups = topo.groups(None)
+    return {k: group_mean(g, groups) for k, g in grads.items()}
+
+
+# --- the inner optimizer ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class InnerConfig:
+    """The local (inner) optax optimizer.
+
+    kind: "sgd" (``optax.sgd(lr)``), "momentum" / "nesterov" (``optax.sgd(lr, momentum,
+    nesterov=...)``) or "adam" (``optax.adam(lr, b1, b2, eps)``). ``grad_norm``: a
+    ``grad_norm_ema`` transformation in front (a floating scalar state leaf that is not
+    shaped like the params).
+    """
+
+    kind: str
+    lr: float = 0.1
+    momentum: float = 0.9
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    grad_norm: bool = False
+
+
+def inner_init(cfg: InnerConfig, params: Tree) -> dict[str, Any]:
+    """The inner state, by component name: params-shaped parts are dicts like the params
+    ("trace", "mu", "nu"); the others are per-replica arrays ("count", "gn")."""
+    zeros = {k: np.zeros_like(v) for k, v in params.items()}
+    n = len(next(iter(params.values())))
+    state: dict[str, Any] = {}
+    if cfg.grad_norm:
+        state["gn"] = np.zeros(n, F32)
+    if cfg.kind in ("momentum", "nesterov"):
+        state["trace"] = zeros
+    if cfg.kind == "adam":
+        state["count"] = np.zeros(n, np.int32)
+        state["mu"] = dict(zeros)
+        state["nu"] = {k: v.copy() for k, v in zeros.items()}
+    return state
+
+
+def grad_norm_ema(gn: np.ndarray, grads: Tree) -> np.ndarray:
+    """The test's own transformation: ``gn <- 0.5 * gn + sum over leaves of sum(g * g)``,
+    gradients passed through."""
+    total = np.zeros_like(gn)
+    for g in grads.values():
+        total = total + (g * g).reshape(len(g), -1).sum(axis=1, dtype=F32)
+    return F32(0.5) * gn + total
+
+
+def sgd_update(cfg: InnerConfig, trace: Tree | None, grads: Tree) -> tuple[Tree, Tree | None]:
+    """Rule: "optax.sgd(lr) / optax.sgd(lr, momentum=m, nesterov=...): trace <- g +
+    m*trace; u = -lr*(g + m*trace_new if nesterov else trace_new)"."""
+    lr, m = F32(cfg.lr), F32(cfg.momentum)
+    if cfg.kind == "sgd":
+        return {k: -lr * g for k, g in grads.items()}, None
+    new_trace = {k: g + m * trace[k] for k, g in grads.items()}
+    if cfg.kind == "nesterov":
+        direction = {k: g + m * new_trace[k] for k, g in grads.items()}
+    else:
+        direction = new_trace
+    return {k: -lr * d for k, d in direction.items()}, new_trace
+
+
+def adam_update(cfg: InnerConfig, state: dict, grads: Tree) -> tuple[Tree, dict]:
+    """optax.adam: mu <- (1-b1) g + b1 mu; nu <- (1-b2) g^2 + b2 nu; count += 1;
+    u = -lr * (mu / (1 - b1^count)) / (sqrt(nu / (1 - b2^count)) + eps)."""
+    b1, b2 = F32(cfg.b1), F32(cfg.b2)
+    mu = {k: (F32(1) - b1) * g + b1 * state["mu"][k] for k, g in grads.items()}
+    nu = {k: (F32(1) - b2) * (g * g) + b2 * state["nu"][k] for k, g in grads.items()}
+    count = state["count"] + 1
+    c1 = (1 - np.float64(cfg.b1) ** count).astype(F32)
+    c2 = (1 - np.float64(cfg.b2) ** count).astype(F32)
+    updates = {}
+    with np.errstate(invalid="ignore"):
+        for k in grads:
+            shape = (-1,) + (1,) * (grads[k].ndim - 1)
+            mu_hat = mu[k] / c1.reshape(shape)
+            nu_hat = nu[k] / c2.reshape(shape)
+            updates[k] = -F32(cfg.lr) * (mu_hat / (np.sqrt(nu_hat) + F32(cfg.eps)))
+    return updates, {"count": count, "mu": mu, "nu": nu}
+
+
+def inner_update(cfg: InnerConfig, state: dict, grads: Tree) -> tuple[Tree, dict]:
+    """One step of the inner optimizer on every replica: ``(updates, new_state)``."""
+    state = dict(state)
+    with np.errstate(invalid="ignore", over="ignore"):
+        if cfg.grad_norm:
+            state["gn"] = grad_norm_ema(state["gn"], grads)
+        if cfg.kind == "adam":
+            updates, adam = adam_update(cfg, state, grads)
+            state.update(adam)
+        else:
+            updates, trace = sgd_update(cfg, state.get("trace"), grads)
+            if trace is not None:
+                state["trace"] = trace
+    return updates, state
+
+
+# --- the averagers ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class OuterConfig:
+    """An outer ``optax.sgd(lr, momentum, nesterov)``."""
+
+    lr: float
+    momentum: float | None = None
+    nesterov: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class AveragerConfig:
+    """A PeriodicModelAverager (``levels`` empty) or HierarchicalModelAverager.
+
+    period: the Periodic period: an int, or the name of a schedule in ``SCHEDULES``.
+    levels: the Hierarchical ``((period, group axes or None), ...)``.
+    """
+
+    kind: str  # "periodic" | "hierarchical"
+    period: int | str = 2
+    levels: tuple[tuple[int, tuple[str, ...] | None], ...] = ()
+    warmup: int = 0
+    process_group: tuple[str, ...] | None = None
+    fragments: int = 1
+    nonfinite: str = "propagate"
+    outer: OuterConfig | None = None
+    outer_skip_first: bool = True
+    bf16: bool = False
+    delta: bool = False
+
+    @property
+    def keeps_anchor(self) -> bool:
+        """Rule: "anchor (kept when delta or outer_optimizer)"."""
+        return self.delta or self.outer is not None
+
+    @property
+    def num_levels(self) -> int:
+        return self.fragments if self.kind == "periodic" else len(self.levels)
+
+    def group(self, level: int) -> tuple[str, ...] | None:
+        """The axes that average at ``level`` (1-based): Periodic: "Group = process_group
+        (default global)"; Hierarchical: the level's group, "last group = global"."""
+        if self.kind == "periodic":
+            return self.process_group
+        return self.levels[level - 1][1]
+
+    def is_global(self, level: int) -> bool:
+        """The global level: every level of a Periodic averager (every fragment), the
+        last level of a Hierarchical one."""
+        return self.kind == "periodic" or level == len(self.levels)
+
+
+SCHEDULES: dict[str, Callable[[int], int]] = {
+    "3_then_2": lambda s: 3 if s < 6 else 2,
+    "always_4": lambda s: 4,
+}
+"""Callable periods by name (the tests pass the same rules as jit-able functions)."""
+
+
+def periodic_level(step: int, period: int, warmup: int, fragments: int) -> int:
+    """Rule: "averages when s >= w and (s - w) % (period/K) == 0; level = ((s - w) //
+    (period/K)) % K + 1 (K=1: level 1)"."""
+    stride = period // fragments
+    if step < warmup or (step - warmup) % stride:
+        return 0
+    return ((step - warmup) // stride) % fragments + 1
+
+
+def scheduled_level(step: int, period: Callable[[int], int], warmup: int, last: int) -> int:
+    """Rule: "Callable period (Periodic only): averages at s when s >= w and (s == w or
+    s - last_average_step >= period(s))"."""
+    if step < warmup:
+        return 0
+    return int(step == warmup or step - last >= period(step))
+
+
+def hierarchical_level(step: int, periods: list[int], warmup: int) -> int:
+    """Rule: "when s >= w, the LARGEST period p with s % p == 0 (s, not s - w) averages
+    over its group; level = its 1-based index"."""
+    if step < warmup:
+        return 0
+    return max((k for k, p in enumerate(periods, 1) if step % p == 0), default=0)
+
+
+def fragment_masks(template: Tree, fragments: int, level: int) -> Tree:
+    """The positions that an average at ``level`` touches, per leaf.
+
+    Rule: "the floating leaves of the params, in jax.tree.leaves order, flattened and
+    concatenated (total T values), are cut into K consecutive chunks of ceil(T/K) (the
+    last may be shorter); level k averages chunk k-1 only." Without fragments: every
+    position of every floating leaf. ``template``: one replica's leaves (dict keys in
+    sorted order, which is jax.tree.leaves order for a dict).
+    """
+    names = sorted(template)
+    floating = [k for k in names if is_floating(template[k])]
+    total = sum(template[k].size for k in floating)
+    chunk = -(-total // fragments)
+    lo, hi = (level - 1) * chunk, min(level * chunk, total)
+    masks, offset = {}, 0
+    for k in names:
+        x = template[k]
+        mask = np.zeros(x.size, bool)
+        if k in floating:
+            idx = np.arange(offset, offset + x.size)
+            mask = (idx >= lo) & (idx < hi) if fragments > 1 else np.ones(x.size, bool)
+            offset += x.size
+        masks[k] = mask.reshape(x.shape)
+    return masks
+
+
+@dataclasses.dataclass
+class AveragerState:
+    """The averager's state, per replica where it can differ.
+
+    step: int, "starts 0, +1 on every call, also on calls that do not average".
+    anchor: params at the previous global average (initially the params given to init).
+    outer_trace: the outer sgd's momentum, per replica (None without momentum).
+    outer_count: per replica, "+= 1 on every non-skipped global average".
+    last_sync: the step of the last average (a callable period).
+    """
+
+    step: int
+    anchor: Tree | None
+    outer_trace: Tree | None
+    outer_count: np.ndarray
+    last_sync: int = 0
+
+    def copy(self) -> AveragerState:
+        def dup(t):
+            return None if t is None else {k: v.copy() for k, v in t.items()}
+
+        return AveragerState(
+            self.step, dup(self.anchor), dup(self.outer_trace), self.outer_count.copy(),
+            self.last_sync,
+        )
+
+
+def averager_init(cfg: AveragerConfig, params: Tree) -> AveragerState:
+    """step 0; the anchor is the params given to init; outer momentum zero."""
+    n = len(next(iter(params.values())))
+    anchor = {k: v.copy() for k, v in params.items()} if cfg.keeps_anchor else None
+    trace = None
+    if cfg.outer is not None and cfg.outer.momentum is not None:
+        trace = {k: np.zeros_like(v) for k, v in params.items() if is_floating(v)}
+    return AveragerState(0, anchor, trace, np.zeros(n, np.int32))
+
+
+def averager_level(cfg: AveragerConfig, state: AveragerState) -> int:
+    """The level of the current call (0: no average), from the counters only."""
+    if cfg.kind == "hierarchical":
+        return hierarchical_level(state.step, [p for p, _ in cfg.levels], cfg.warmup)
+    if isinstance(cfg.period, str):
+        return scheduled_level(state.step, SCHEDULES[cfg.period], cfg.warmup, state.last_sync)
+    return periodic_level(state.step, cfg.period, cfg.warmup, cfg.fragments)
+
+
+def outer_step(
+    cfg: OuterConfig, anchor: np.ndarray, mean: np.ndarray, trace: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Rule: "pseudo_grad = anchor - m; (upd, outer_state) = outer.update(pseudo_grad,
+    outer_state, anchor); new = anchor + upd (computed as m + (pseudo_grad + upd), so
+    optax.sgd(1.0) gives m exactly)". Returns ``(new, new_trace)``."""
+    pseudo = anchor - mean
+    lr = F32(cfg.lr)
+    if cfg.momentum is None:
+        upd = -lr * pseudo
+    else:
+        m = F32(cfg.momentum)
+        trace = pseudo + m * trace
+        upd = -lr * ((pseudo + m * trace) if cfg.nesterov else trace)
+    return mean + (pseudo + upd), trace
+
+
+@dataclasses.dataclass
+class Averaged:
+    """What one averager call did: the new values and which positions were assigned.
+
+    params: every replica's params after the call (the group value where assigned, the
+    incoming value elsewhere). assigned: per leaf, the positions that received a group
+    value (a skipped group's members: none). extra: the averaged opt-state components.
+    level: the level of the call (0: none). groups: the (members, leaf masks) that were
+    assigned, for the bitwise checks of ``average_parameters``.
+    """
+
+    params: Tree
+    assigned: Tree
+    extra: dict[str, Any]
+    level: int
+    groups: list[tuple[list[int], Tree]]
+
+
+def _contribution(values: Tree, masks: Tree, r: int) -> list[np.ndarray]:
+    return [values[k][r][masks[k]] for k in sorted(values) if masks[k].any()]
+
+
+def average_call(
+    cfg: AveragerConfig,
+    state: AveragerState,
+    params: Tree,
+    topo: Topology,
+    extra: dict[str, Any] | None = None,
+) -> tuple[Averaged, AveragerState]:
+    """One averager call on the params after the inner update (and chosen opt-state).
+
+    Rules: "+1 on every call"; at a level with group G (per group of that level):
+      * "delta=True: x_r <- x_r - anchor, and the result is anchor + mean."
+      * the non-finite policy, "a member is non-finite if any value it contributes to
+        THIS average (its params part, plus the opt-state leaves averaged with it) is
+        NaN/Inf" (see ``used_members``).
+      * "A skipped average ... changes NOTHING but the step counter".
+      * outer optimizer at the global level: "If outer_skip_first (default True) and
+        outer_count == 0: new = m, outer state unchanged. Else ..." (``outer_step``);
+        "outer_count += 1 on every non-skipped global average. Only floating leaves:
+        integer leaves keep their own value."
+      * "after every non-skipped global average, anchor <- the new global value (with
+        fragments: only that fragment's positions change)".
+      * chosen opt-state leaves: "averaged on the same steps, over the same group, with
+        the same finiteness decision as the params, and assigned the mean ... With
+        fragments: chosen leaves that belong to a params-shaped part of the state ... are
+        cut exactly like the params ...; any other chosen leaf is averaged whole at every
+        fragment average. They take no part in delta/anchor/outer optimizer."
+    ``extra``: chosen opt-state components, a params-shaped dict or a per-replica array.
+    """
+    extra = dict(extra or {})
+    level = averager_level(cfg, state)
+    new_state = state.copy()
+    new_state.step = state.step + 1
+    out = {k: v.copy() for k, v in params.items()}
+    assigned = {k: np.zeros(v.shape, bool) for k, v in params.items()}
+    new_extra = {
+        name: ({k: v.copy() for k, v in c.items()} if isinstance(c, dict) else c.copy())
+        for name, c in extra.items()
+    }
+    done: list[tuple[list[int], Tree]] = []
+    if level == 0:
+        return Averaged(out, assigned, new_extra, 0, done), new_state
+    if isinstance(cfg.period, str):
+        new_state.last_sync = state.step
+    template = {k: v[0] for k, v in params.items()}
+    masks = fragment_masks(template, cfg.fragments, level)
+    is_global = cfg.is_global(level)
+    mean_fn = bf16_mean if cfg.bf16 else exact_mean
+    with np.errstate(invalid="ignore", over="ignore"):
+        x = params
+        if cfg.delta:
+            x = {k: v - state.anchor[k] if is_floating(v) else v for k, v in params.items()}
+        for members in topo.groups(cfg.group(level)):
+            finite = []
+            for r in members:
+                parts = _contribution(x, masks, r)
+                for c in extra.values():
+                    if isinstance(c, dict):
+                        parts += _contribution(c, masks, r)
+                    elif is_floating(c):
+                        parts.append(np.ravel(c[r]))
+                finite.append(all(np.isfinite(p).all() for p in parts))
+            used = used_members(finite, cfg.nonfinite)
+            if used is None:
+                continue  # skipped: nothing changes for this group
+            src = [members[i] for i in used]
+            for k, v in x.items():
+                if not masks[k].any():
+                    continue
+                m = mean_fn(v[src][:, masks[k]])
+                for r in members:
+                    value = state.anchor[k][r][masks[k]] + m if cfg.delta else m
+                    out[k][r][masks[k]] = value
+                    assigned[k][r][masks[k]] = True
+            if is_global and cfg.outer is not None:
+                for r in members:
+                    first = cfg.outer_skip_first and state.outer_count[r] == 0
+                    for k, v in out.items():
+                        if first or not is_floating(v):
+                            continue
+                        trace = None if state.outer_trace is None else state.outer_trace[k][r]
+                        new, trace = outer_step(cfg.outer, state.anchor[k][r], v[r], trace)
+                        out[k][r] = new
+                        if trace is not None:
+                            new_state.outer_trace[k][r] = trace
+                    new_state.outer_count[r] = state.outer_count[r] + 1
+            if is_global and cfg.keeps_anchor:
+                for k, v in out.items():
+                    if is_floating(v):
+                        for r in members:
+                            new_state.anchor[k][r][masks[k]] = v[r][masks[k]]
+            for name, c in extra.items():
+                if isinstance(c, dict):
+                    for k, v in c.items():
+                        if masks[k].any():
+                            m = mean_fn(v[src][:, masks[k]])
+                            for r in members:
+                                new_extra[name][k][r][masks[k]] = m
+                elif is_floating(c):
+                    new_extra[name][members] = mean_fn(c[src])
+            done.append((members, masks))
+    return Averaged(out, assigned, new_extra, level, done), new_state
+
+
+def average_model_state(
+    cfg: AveragerConfig, level: int, model_state: Tree, topo: Topology
+) -> Tree:
+    """Rule: model state is "per replica, averaged (plain group mean, with the averager's
+    nonfinite policy and communication_dtype; no delta/anchor/outer) on exactly the steps
+    where the averager really ran and averaged, over that level's group; with fragments,
+    whole at every fragment average". Its finiteness is its own (integer leaves stay)."""
+    if level == 0:
+        return model_state
+    out = {k: v.copy() for k, v in model_state.items()}
+    mean_fn = bf16_mean if cfg.bf16 else exact_mean
+    floating = [k for k in sorted(model_state) if is_floating(model_state[k])]
+    for members in topo.groups(cfg.group(level)):
+        finite = [
+            all(np.isfinite(model_state[k][r]).all() for k in floating) for r in members
+        ]
+        used = used_members(finite, cfg.nonfinite)
+        if used is None:
+            continue
+        src = [members[i] for i in used]
+        for k in floating:
+            out[k][members] = mean_fn(model_state[k][src])
+    return out
+
+
+# --- a run ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """One run of the library, in one of the four ways of calling it.
+
+    path: "functional" (hook -> inner -> apply_updates -> average_parameters in a
+    shard_map), "model_averaging" (``optax.chain(hook, inner, model_averaging)``),
+    "optimizer" (``optax.chain(hook, post_local_sgd_optimizer(inner, averager, ...))``)
+    or "step" (``data_parallel_step`` of the chain ``step_tx``).
+    hook: None for none (``data_parallel_step`` then averages gradients, DDP).
+    averager: None for none (``step`` only).
+    opt_state_mask: "none", "all" (a tree of True) or "arrays" (a callable: every leaf
+    with ndim > 0): which inner-state leaves ``post_local_sgd_optimizer`` averages.
+    step_tx: for "step": "model_averaging", "optimizer" or "inner" (no averager).
+    multi_steps: for "step": ``optax.MultiSteps(chain, every_k_schedule=k)`` when > 1.
+    model_state: for "step": ``with_model_state=True``.
+    int_leaf / complex_leaf: for "functional": an int32 and a complex64 params leaf,
+    moved by the test itself, never by the optimizer.
+    """
+
+    topo: Topology
+    path: str
+    hook: HookConfig | None
+    inner: InnerConfig
+    averager: AveragerConfig | None
+    opt_state_mask: str = "none"
+    step_tx: str = "model_averaging"
+    multi_steps: int = 1
+    model_state: bool = False
+    int_leaf: bool = False
+    complex_leaf: bool = False
+
+
+@dataclasses.dataclass
+class Batch:
+    """One step's data, per replica: the loss is ``0.5 * sum(c * (w - d)**2)`` summed over
+    the float leaves (gradient ``c * (w - d)``); ``e`` feeds the model state; ``n_inc`` and
+    ``z_inc`` move the int and complex leaves of the functional path."""
+
+    c: Tree
+    d: Tree
+    e: np.ndarray
+    n_inc: np.ndarray
+    z_inc: np.ndarray
+
+
+def gradients(params: Tree, batch: Batch) -> Tree:
+    """Rule: "Gradients g_r of a simple per-replica loss at its params": c * (w - d)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return {k: batch.c[k] * (params[k] - batch.d[k]) for k in batch.c}
+
+
+def loss_value(params: Tree, batch: Batch) -> np.float32:
+    """The loss ``data_parallel_step`` returns: the mean over replicas of each replica's
+    ``sum over leaves of 0.5 * sum(c * (w - d)**2)``."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        per = 0.0
+        for k in batch.c:
+            diff = params[k].astype(np.float64) - batch.d[k]
+            per = per + 0.5 * (batch.c[k] * diff**2).reshape(len(diff), -1).sum(axis=1)
+        return F32(np.mean(per))
+
+
+def model_state_step(model_state: Tree, batch: Batch) -> Tree:
+    """The test's model state, updated inside loss_fn from the batch: ``stat <- 0.5 *
+    stat + e`` (float32), ``count <- count + 1`` (int32, never averaged)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return {
+            "count": model_state["count"] + np.int32(1),
+            "stat": F32(0.5) * model_state["stat"] + batch.e,
+        }
+
+
+def chosen_components(cfg: RunConfig, inner_state: dict) -> dict[str, Any]:
+    """The inner-state components that ``average_opt_state`` selects: "all": every one;
+    "arrays": those whose leaves have ndim > 0 (the params-shaped ones)."""
+    if cfg.path not in ("optimizer", "step") or cfg.opt_state_mask == "none":
+        return {}
+    if cfg.path == "step" and cfg.step_tx != "optimizer":
+        return {}
+    if cfg.opt_state_mask == "all":
+        return dict(inner_state)
+    return {k: v for k, v in inner_state.items() if isinstance(v, dict)}
+
+
+@dataclasses.dataclass
+class Replay:
+    """Everything the model carries from step to step."""
+
+    params: Tree
+    hook_iter: int
+    inner: dict
+    averager: AveragerState | None
+    model_state: Tree
+    acc: Tree | None = None
+    mini_step: int = 0
+    gradient_step: int = 0
+
+
+def _chain_step(cfg: RunConfig, rp: Replay, grads: Tree) -> tuple[Tree, Replay, Averaged | None]:
+    """hook -> inner -> averager, as ``model_averaging`` / ``post_local_sgd_optimizer``
+    see it: returns the params after ``apply_updates`` and the next states.
+
+    Rule (paths): "model_averaging / post_local_sgd_optimizer instead turn the update into
+    u' = new - p so that apply_updates gives p + (new - p) ... On non-averaging or skipped
+    steps u passes unchanged"; chosen inner-state leaves are "assigned the mean (not via
+    updates)".
+    """
+    rp = dataclasses.replace(rp)
+    if cfg.hook is not None:
+        grads, rp.hook_iter = hook_step(cfg.hook, rp.hook_iter, grads, cfg.topo)
+    updates, rp.inner = inner_update(cfg.inner, rp.inner, grads)
+    p = rp.params
+    with np.errstate(invalid="ignore", over="ignore"):
+        stepped = {k: (p[k] + updates[k]).astype(p[k].dtype) for k in p}
+        if rp.averager is None:
+            return stepped, rp, None
+        chosen = chosen_components(cfg, rp.inner)
+        avg, rp.averager = average_call(cfg.averager, rp.averager, stepped, cfg.topo, chosen)
+        new_params = {}
+        for k in p:
+            via_updates = p[k] + (avg.params[k] - p[k])
+            new_params[k] = np.where(avg.assigned[k], via_updates, stepped[k]).astype(p[k].dtype)
+    rp.inner = {**rp.inner, **avg.extra}
+    return new_params, rp, avg
+
+
+def _snapshot(cfg: RunConfig, rp: Replay, loss: Any) -> Snapshot:
+    """The observable state after a step, by the names the tests read back."""
+    snap: Snapshot = {f"params/{k}": v.copy() for k, v in rp.params.items()}
+    if cfg.hook is not None:
+        snap["hook/iter"] = np.full(cfg.topo.size, rp.hook_iter, np.int32)
+    for name, c in rp.inner.items():
+        if isinstance(c, dict):
+            snap.update({f"inner/{name}/{k}": v.copy() for k, v in c.items()})
+        else:
+            snap[f"inner/{name}"] = c.copy()
+    if rp.averager is not None:
+        a, acfg = rp.averager, cfg.averager
+        snap["averager/step"] = np.full(cfg.topo.size, a.step, np.int32)
+        if a.anchor is not None:
+            for k, v in a.anchor.items():
+                if is_floating(v):
+                    snap[f"averager/anchor/{k}"] = v.copy()
+        if acfg.outer is not None:
+            snap["averager/outer_count"] = a.outer_count.copy()
+            if a.outer_trace is not None:
+                snap.update({f"averager/outer_trace/{k}": v.copy() for k, v in a.outer_trace.items()})
+        if isinstance(acfg.period, str) and acfg.kind == "periodic":
+            snap["averager/last_sync"] = np.full(cfg.topo.size, a.last_sync, np.int32)
+    if cfg.model_state:
+        snap.update({f"model_state/{k}": v.copy() for k, v in rp.model_state.items()})
+    if cfg.multi_steps > 1:
+        snap["multi_steps/mini_step"] = np.full(cfg.topo.size, rp.mini_step, np.int32)
+        snap["multi_steps/gradient_step"] = np.full(cfg.topo.size, rp.gradient_step, np.int32)
+    if loss is not None:
+        snap["loss"] = np.asarray(loss, F32)
+    return snap
+
+
+def initial_replay(cfg: RunConfig, params0: Tree, model_state0: Tree | None = None) -> Replay:
+    """Every replica starts from the same params; all counters at 0."""
+    n = cfg.topo.size
+    params = {k: np.broadcast_to(v, (n, *v.shape)).copy() for k, v in params0.items()}
+    trainable = {k: v for k, v in params.items() if k in TRAINABLE}
+    averager = averager_init(cfg.averager, params) if cfg.averager is not None else None
+    ms = model_state0 or {"count": np.zeros((), np.int32), "stat": np.zeros(2, F32)}
+    ms = {k: np.broadcast_to(v, (n, *np.shape(v))).copy() for k, v in ms.items()}
+    acc = {k: np.zeros_like(v) for k, v in trainable.items()} if cfg.multi_steps > 1 else None
+    return Replay(params, 0, inner_init(cfg.inner, trainable), averager, ms, acc)
+
+
+def simulate(cfg: RunConfig, params0: Tree, batches: list[Batch]) -> tuple[list[Snapshot], list]:
+    """Replays the run; returns one Snapshot per step, and per step the groups that
+    ``average_parameters`` assigned (functional path: bitwise-identical members)."""
+    rp = initial_replay(cfg, params0)
+    snaps, assigned = [], []
+    for batch in batches:
+        train = {k: v for k, v in rp.params.items() if k in batch.c}
+        loss = loss_value(train, batch) if cfg.path == "step" else None
+        grads = gradients(train, batch)
+        avg = None
+        if cfg.path == "functional":
+            rp, avg = _functional_step(cfg, rp, grads, batch)
+        elif cfg.path in ("model_averaging", "optimizer"):
+            rp, avg = _updates_step(cfg, rp, grads)
+        else:
+            rp, avg = _data_parallel_step(cfg, rp, grads, batch)
+        snaps.append(_snapshot(cfg, rp, loss))
+        assigned.append(avg.groups if avg is not None else [])
+    return snaps, assigned
+
+
+def _functional_step(cfg: RunConfig, rp: Replay, grads: Tree, batch: Batch):
+    """Path (a): hook -> inner update -> optax.apply_updates -> average_parameters, which
+    "ASSIGNS the mean (bitwise-identical replicas)". The int leaf grows by ``n_inc`` and
+    the complex leaf by ``z_inc`` before the average."""
+    rp = dataclasses.replace(rp)
+    grads, rp.hook_iter = hook_step(cfg.hook, rp.hook_iter, grads, cfg.topo)
+    updates, rp.inner = inner_update(cfg.inner, rp.inner, grads)
+    p = dict(rp.params)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for k in updates:
+            p[k] = (p[k] + updates[k]).astype(p[k].dtype)
+    if "n" in p:
+        p["n"] = p["n"] + batch.n_inc
+    if "z" in p:
+        p["z"] = (p["z"] + batch.z_inc).astype(np.complex64)
+    avg, rp.averager = average_call(cfg.averager, rp.averager, p, cfg.topo)
+    rp.params = avg.params
+    return rp, avg
+
+
+def _updates_step(cfg: RunConfig, rp: Replay, grads: Tree):
+    """Paths (b) and (c): the chain, then ``optax.apply_updates``."""
+    params, rp, avg = _chain_step(cfg, rp, grads)
+    rp.params = params
+    return rp, avg
+
+
+def _data_parallel_step(cfg: RunConfig, rp: Replay, grads: Tree, batch: Batch):
+    """Path (d): ``data_parallel_step``: DDP gradient mean when there is no hook; the
+    chain (under MultiSteps: accumulate, and the chain "only takes effect on every k-th
+    mini-step"); model state averaged where the averager really averaged."""
+    rp = dataclasses.replace(rp)
+    if cfg.hook is None:
+        grads = ddp_mean(grads, cfg.topo)
+    new_ms = model_state_step(rp.model_state, batch)
+    level = averager_level(cfg.averager, rp.averager) if rp.averager is not None else 0
+    avg = None
+    if cfg.multi_steps > 1:
+        emit = rp.mini_step == cfg.multi_steps - 1
+        n = F32(rp.mini_step + 1)
+        acc = {k: rp.acc[k] + (g - rp.acc[k]) / n for k, g in grads.items()}
+        if emit:
+            params, rp, avg = _chain_step(cfg, rp, acc)
+            rp.params = params
+            rp.acc = {k: np.zeros_like(v) for k, v in acc.items()}
+            rp.gradient_step += 1
+        else:
+            rp.acc = acc
+            level = 0  # nothing took effect on this mini-step
+        rp.mini_step = (rp.mini_step + 1) % cfg.multi_steps
+    else:
+        params, rp, avg = _chain_step(cfg, rp, grads)
+        rp.params = params
+    if cfg.averager is not None:
+        new_ms = average_model_state(cfg.averager, level, new_ms, cfg.topo)
+    rp.model_state = new_ms
+    return rp, avg

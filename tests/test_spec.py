@@ -1,0 +1,741 @@
+"""The executable specification: the library against the NumPy model in spec_model.py.
+
+Hypothesis draws meshes (size-1 axes and three levels included), hook and averager
+options, inner optimizers, NaN/Inf injections and step counts, runs the library in each
+of the four ways of calling it, and compares every replica's params, the optimizer-state
+leaves the model names (momentum, Adam moments, hook iter, averager step, anchor, outer
+momentum, outer_count, last_sync), model state and loss with the model after EVERY step.
+
+Profiles (env var LSGD_SPEC_PROFILE): "ci" (default: few examples, derandomized, fast)
+and "thorough" (20 times as many, random).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import os
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import spec_model as M
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
+
+import lsgd_jax
+
+# --- profiles -----------------------------------------------------------------------------
+
+PROFILE = os.environ.get("LSGD_SPEC_PROFILE", "ci")
+if PROFILE not in ("ci", "thorough"):
+    raise ValueError(f"LSGD_SPEC_PROFILE must be 'ci' or 'thorough', got {PROFILE!r}.")
+SCALE = 20 if PROFILE == "thorough" else 1
+
+
+def spec_settings(examples: int) -> settings:
+    return settings(
+        max_examples=examples * SCALE,
+        deadline=None,
+        derandomize=PROFILE == "ci",
+        database=None,
+        phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
+        suppress_health_check=list(HealthCheck),
+    )
+
+
+@pytest.fixture(autouse=True)
+def quiet_library_logger():
+    """No warning callbacks compiled in, nothing printed (restored afterwards)."""
+    logger = logging.getLogger("lsgd_jax")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    yield
+    logger.setLevel(level)
+
+
+# --- meshes -------------------------------------------------------------------------------
+
+TWO = ("node", "local")
+THREE = ("pod", "node", "local")
+TOPOLOGIES = [
+    M.Topology(TWO, (2, 4)),
+    M.Topology(TWO, (4, 2)),
+    M.Topology(TWO, (1, 8)),
+    M.Topology(TWO, (8, 1)),
+    M.Topology(TWO, (1, 1)),
+    M.Topology(THREE, (2, 2, 2)),
+    M.Topology(THREE, (2, 1, 4)),
+    M.Topology(THREE, (1, 2, 4)),
+]
+
+
+@functools.lru_cache(maxsize=None)
+def mesh_of(topo: M.Topology) -> jax.sharding.Mesh:
+    if topo.names == TWO:
+        return lsgd_jax.make_mesh(*topo.shape)
+    devices = np.array(jax.devices()[: topo.size]).reshape(topo.shape)
+    return jax.sharding.Mesh(devices, topo.names)
+
+
+def squeeze(tree):
+    return jax.tree.map(lambda x: x[0], tree)
+
+
+def unsqueeze(tree):
+    return jax.tree.map(lambda x: x[None], tree)
+
+
+def fetch(tree):
+    """Host copies (the step donates its inputs)."""
+    return jax.tree.map(lambda x: np.array(x, copy=True), tree)
+
+
+# --- the library objects for a config ---------------------------------------------------------
+
+
+class GradNormState(NamedTuple):
+    gn: jax.Array
+
+
+def grad_norm_ema() -> optax.GradientTransformation:
+    """A floating scalar state leaf not shaped like the params: gn <- 0.5 gn + sum g^2."""
+
+    def init(params):
+        del params
+        return GradNormState(jnp.zeros([], jnp.float32))
+
+    def update(updates, state, params=None):
+        del params
+        total = sum(jnp.sum(g * g) for g in jax.tree.leaves(updates))
+        return updates, GradNormState(0.5 * state.gn + total)
+
+    return optax.GradientTransformation(init, update)
+
+
+SCHEDULE_FNS = {
+    "3_then_2": lambda s: jnp.where(s < 6, 3, 2),
+    "always_4": lambda s: 4,
+}
+assert set(SCHEDULE_FNS) == set(M.SCHEDULES)
+
+OUTERS = [
+    M.OuterConfig(1.0),
+    M.OuterConfig(0.7),
+    M.OuterConfig(0.7, momentum=0.9, nesterov=True),
+]
+
+
+@functools.lru_cache(maxsize=None)
+def outer_tx(cfg: M.OuterConfig) -> optax.GradientTransformation:
+    return optax.sgd(cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
+
+
+def build_averager(cfg: M.AveragerConfig):
+    options = dict(
+        nonfinite=cfg.nonfinite,
+        outer_optimizer=outer_tx(cfg.outer) if cfg.outer is not None else None,
+        outer_skip_first=cfg.outer_skip_first,
+        communication_dtype=jnp.bfloat16 if cfg.bf16 else None,
+        delta=cfg.delta,
+    )
+    if cfg.kind == "periodic":
+        period = SCHEDULE_FNS[cfg.period] if isinstance(cfg.period, str) else cfg.period
+        return lsgd_jax.PeriodicModelAverager(
+            period,
+            warmup_steps=cfg.warmup,
+            process_group=cfg.process_group,
+            fragments=cfg.fragments,
+            **options,
+        )
+    return lsgd_jax.HierarchicalModelAverager(
+        dict(cfg.levels), warmup_steps=cfg.warmup, **options
+    )
+
+
+def build_inner(cfg: M.InnerConfig) -> optax.GradientTransformation:
+    if cfg.kind == "sgd":
+        tx = optax.sgd(cfg.lr)
+    elif cfg.kind in ("momentum", "nesterov"):
+        tx = optax.sgd(cfg.lr, momentum=cfg.momentum, nesterov=cfg.kind == "nesterov")
+    else:
+        tx = optax.adam(cfg.lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
+    return optax.chain(grad_norm_ema(), tx) if cfg.grad_norm else tx
+
+
+def arrays_mask(inner_state):
+    return jax.tree.map(lambda x: jnp.ndim(x) > 0, inner_state)
+
+
+def opt_state_mask(kind: str, inner: optax.GradientTransformation, params0):
+    if kind == "none":
+        return None
+    if kind == "arrays":
+        return arrays_mask
+    return jax.tree.map(lambda _: True, jax.eval_shape(inner.init, params0))
+
+
+def build_hook(cfg: M.HookConfig) -> optax.GradientTransformation:
+    return lsgd_jax.post_local_sgd(
+        cfg.start,
+        process_group=cfg.process_group,
+        subgroup=cfg.subgroup,
+        post_local_gradient_allreduce=cfg.post_local_gradient_allreduce,
+    )
+
+
+def build_tx(cfg: M.RunConfig, params0) -> Any:
+    """The optax transformation of the "model_averaging", "optimizer" and "step" paths."""
+    inner = build_inner(cfg.inner)
+    kind = cfg.step_tx if cfg.path == "step" else cfg.path
+    parts = [build_hook(cfg.hook)] if cfg.hook is not None else []
+    if kind == "model_averaging":
+        parts += [inner, lsgd_jax.model_averaging(build_averager(cfg.averager))]
+    elif kind == "optimizer":
+        mask = opt_state_mask(cfg.opt_state_mask, inner, params0)
+        parts += [
+            lsgd_jax.post_local_sgd_optimizer(
+                inner, build_averager(cfg.averager), average_opt_state=mask
+            )
+        ]
+    else:
+        parts += [inner]
+    tx = optax.chain(*parts)
+    if cfg.multi_steps > 1:
+        tx = optax.MultiSteps(tx, every_k_schedule=cfg.multi_steps)
+    return tx
+
+
+# --- reading the library's state back by the model's names ----------------------------------
+
+STATE_TYPES = (
+    lsgd_jax.PostLocalSGDState,
+    lsgd_jax.ModelAveragerState,
+    optax.TraceState,
+    optax.ScaleByAdamState,
+    GradNormState,
+    optax.MultiStepsState,
+)
+
+
+def observe(params, opt_state, model_state=None, loss=None) -> dict[str, np.ndarray]:
+    """The library's values under the names of ``spec_model._snapshot``."""
+    snap = {f"params/{k}": v for k, v in params.items()}
+
+    def floating(tree, prefix):
+        for k, v in tree.items():
+            if np.issubdtype(np.asarray(v).dtype, np.inexact):
+                snap[f"{prefix}/{k}"] = v
+
+    def visit(node):
+        for x in jax.tree.leaves(node, is_leaf=lambda x: isinstance(x, STATE_TYPES)):
+            if isinstance(x, lsgd_jax.PostLocalSGDState):
+                snap["hook/iter"] = x.iter
+            elif isinstance(x, lsgd_jax.ModelAveragerState):
+                snap["averager/step"] = x.step
+                if x.anchor is not None:
+                    floating(x.anchor, "averager/anchor")
+                if x.outer_count is not None:
+                    snap["averager/outer_count"] = x.outer_count
+                if x.last_sync is not None:
+                    snap["averager/last_sync"] = x.last_sync
+                for t in jax.tree.leaves(
+                    x.outer_state, is_leaf=lambda t: isinstance(t, optax.TraceState)
+                ):
+                    if isinstance(t, optax.TraceState):
+                        floating(t.trace, "averager/outer_trace")
+            elif isinstance(x, optax.TraceState):
+                floating(x.trace, "inner/trace")
+            elif isinstance(x, optax.ScaleByAdamState):
+                snap["inner/count"] = x.count
+                floating(x.mu, "inner/mu")
+                floating(x.nu, "inner/nu")
+            elif isinstance(x, GradNormState):
+                snap["inner/gn"] = x.gn
+            elif isinstance(x, optax.MultiStepsState):
+                snap["multi_steps/mini_step"] = x.mini_step
+                snap["multi_steps/gradient_step"] = x.gradient_step
+                visit(x.inner_opt_state)
+
+    visit(opt_state)
+    if model_state is not None:
+        snap.update({f"model_state/{k}": v for k, v in model_state.items()})
+    if loss is not None:
+        snap["loss"] = loss
+    return snap
+
+
+def tolerance(cfg: M.RunConfig) -> float:
+    """float32: a few ulps of the values' scale; bf16 communication: a bf16 ulp or two."""
+    return 2.0**-6 if cfg.averager is not None and cfg.averager.bf16 else 2e-5
+
+
+def compare(want: dict, got: dict, step: int, rel: float) -> None:
+    for name, w in want.items():
+        assert name in got, f"step {step}: the library's state has no {name!r}"
+        g = np.asarray(got[name])
+        assert g.shape == w.shape, f"step {step}: {name} has shape {g.shape}, model {w.shape}"
+        if not np.issubdtype(w.dtype, np.inexact):
+            np.testing.assert_array_equal(g, w, err_msg=f"step {step}: {name}")
+            continue
+        finite = np.abs(w[np.isfinite(w)])
+        scale = max(1.0, float(finite.max())) if finite.size else 1.0
+        np.testing.assert_allclose(
+            g, w, rtol=rel, atol=rel * scale, equal_nan=True, err_msg=f"step {step}: {name}"
+        )
+
+
+def check_bitwise_groups(params: dict, groups, step: int) -> None:
+    """average_parameters ASSIGNS the mean: the members of a group that averaged are
+    bitwise identical at the averaged positions."""
+    for members, masks in groups:
+        for k, mask in masks.items():
+            if not mask.any():
+                continue
+            vals = np.asarray(params[k])[members][:, mask]
+            for i, r in enumerate(members):
+                assert np.array_equal(vals[i], vals[0], equal_nan=True), (
+                    f"step {step}: params/{k} of replica {r} differs from replica "
+                    f"{members[0]} in its group after average_parameters: {vals[i]} vs {vals[0]}"
+                )
+
+
+# --- data -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Injection:
+    """A non-finite value in replica r's data at step t: its gradient (via d) or, with
+    ``target="model_state"``, its model-state input e."""
+
+    step: int
+    replica: int
+    leaf: str
+    index: int
+    value: float
+    target: str = "grad"
+
+
+SHAPES = {"a": (3,), "b": (2, 2)}
+
+
+def initial_params(cfg: M.RunConfig, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    params = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+    if cfg.int_leaf:
+        params["n"] = np.int32(10) * np.ones((), np.int32)
+    if cfg.complex_leaf:
+        params["z"] = np.array([1 + 1j, -2 + 0.5j], np.complex64)
+    return params
+
+
+def make_batches(cfg: M.RunConfig, steps: int, seed: int, injections) -> list[M.Batch]:
+    rng = np.random.default_rng(seed + 1)
+    n, out = cfg.topo.size, []
+    for t in range(steps):
+        c = {k: rng.uniform(0.5, 1.5, (n, *s)).astype(np.float32) for k, s in SHAPES.items()}
+        d = {k: rng.standard_normal((n, *s)).astype(np.float32) for k, s in SHAPES.items()}
+        e = rng.standard_normal((n, 2)).astype(np.float32)
+        n_inc = rng.integers(0, 5, n).astype(np.int32)
+        z_inc = (rng.standard_normal((n, 2)) + 1j * rng.standard_normal((n, 2))).astype(
+            np.complex64
+        )
+        for inj in injections:
+            if inj.step == t and inj.target == "grad":
+                d[inj.leaf][inj.replica].flat[inj.index % d[inj.leaf][inj.replica].size] = inj.value
+            elif inj.step == t:
+                e[inj.replica, inj.index % 2] = inj.value
+        out.append(M.Batch(c, d, e, n_inc, z_inc))
+    return out
+
+
+def device_batch(cfg: M.RunConfig, batch: M.Batch) -> dict:
+    tree = {"c": batch.c, "d": batch.d, "e": batch.e}
+    if cfg.int_leaf:
+        tree["n_inc"] = batch.n_inc
+    if cfg.complex_leaf:
+        tree["z_inc"] = batch.z_inc
+    return tree
+
+
+# --- running the library ------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def functional_runner(cfg: M.RunConfig):
+    """Path (a): post_localSGD_hook -> inner.update -> apply_updates -> average_parameters,
+    every value per replica inside one jit(shard_map)."""
+    mesh, spec = mesh_of(cfg.topo), P(cfg.topo.names)
+    averager, inner = build_averager(cfg.averager), build_inner(cfg.inner)
+
+    def body(params, hook_state, inner_state, avg_state, batch):
+        params, hook_state, inner_state, avg_state, batch = squeeze(
+            (params, hook_state, inner_state, avg_state, batch)
+        )
+        train = {k: params[k] for k in M.TRAINABLE}
+        grads = {k: batch["c"][k] * (train[k] - batch["d"][k]) for k in M.TRAINABLE}
+        grads, hook_state = lsgd_jax.post_localSGD_hook(hook_state, grads)
+        updates, inner_state = inner.update(grads, inner_state, train)
+        new = dict(params)
+        new.update(optax.apply_updates(train, updates))
+        if "n" in params:
+            new["n"] = params["n"] + batch["n_inc"]
+        if "z" in params:
+            new["z"] = params["z"] + batch["z_inc"]
+        new, avg_state = averager.average_parameters(new, avg_state)
+        return unsqueeze((new, hook_state, inner_state, avg_state))
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec,) * 4))
+    return mesh, averager, inner, f
+
+
+def run_functional(cfg: M.RunConfig, params0, batches):
+    mesh, averager, inner, f = functional_runner(cfg)
+    h = cfg.hook
+    hook_state = lsgd_jax.PostLocalSGDState(
+        h.process_group, h.subgroup, h.start, h.post_local_gradient_allreduce
+    )
+    train0 = {k: params0[k] for k in M.TRAINABLE}
+    state = [lsgd_jax.replicate(x, mesh) for x in (params0, hook_state, inner.init(train0))]
+    state.append(lsgd_jax.replicate(averager.init(params0), mesh))
+    spec = jax.sharding.NamedSharding(mesh, P(cfg.topo.names))
+    out = []
+    for batch in batches:
+        state = list(f(*state, jax.device_put(device_batch(cfg, batch), spec)))
+        params, hook_state, inner_state, avg_state = fetch(state)
+        out.append(observe(params, (hook_state, inner_state, avg_state)))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def chain_runner(cfg: M.RunConfig, params0_key):
+    """Paths (b) and (c): tx.update inside jit(shard_map), then optax.apply_updates."""
+    mesh, spec = mesh_of(cfg.topo), P(cfg.topo.names)
+    tx = build_tx(cfg, dict(params0_key))
+
+    def body(params, opt_state, batch):
+        params, opt_state, batch = squeeze((params, opt_state, batch))
+        grads = {k: batch["c"][k] * (params[k] - batch["d"][k]) for k in M.TRAINABLE}
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return unsqueeze((optax.apply_updates(params, updates), opt_state))
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec,) * 2))
+    return mesh, tx, f
+
+
+def shapes_key(params0):
+    """A hashable stand-in for the params (the mask "all" is built from their state)."""
+    return tuple((k, jax.ShapeDtypeStruct(v.shape, v.dtype)) for k, v in sorted(params0.items()))
+
+
+def run_chain(cfg: M.RunConfig, params0, batches):
+    mesh, tx, f = chain_runner(cfg, shapes_key(params0))
+    params = lsgd_jax.replicate(params0, mesh)
+    opt_state = lsgd_jax.replicate(tx.init(params0), mesh)
+    spec = jax.sharding.NamedSharding(mesh, P(cfg.topo.names))
+    out = []
+    for batch in batches:
+        params, opt_state = f(params, opt_state, jax.device_put(device_batch(cfg, batch), spec))
+        out.append(observe(*fetch((params, opt_state))))
+    return out
+
+
+def loss_fn(params, batch):
+    return sum(
+        0.5 * jnp.sum(batch["c"][k][0] * (params[k] - batch["d"][k][0]) ** 2)
+        for k in sorted(params)
+    )
+
+
+def loss_with_state(params, model_state, batch):
+    new_state = {
+        "count": model_state["count"] + 1,
+        "stat": 0.5 * model_state["stat"] + batch["e"][0],
+    }
+    return loss_fn(params, batch), new_state
+
+
+@functools.lru_cache(maxsize=None)
+def step_runner(cfg: M.RunConfig, params0_key):
+    """Path (d): lsgd_jax.data_parallel_step."""
+    mesh = mesh_of(cfg.topo)
+    tx = build_tx(cfg, dict(params0_key))
+    fn = loss_with_state if cfg.model_state else loss_fn
+    step = lsgd_jax.data_parallel_step(fn, tx, mesh, with_model_state=cfg.model_state)
+    return mesh, tx, step
+
+
+def run_step(cfg: M.RunConfig, params0, batches):
+    mesh, tx, step = step_runner(cfg, shapes_key(params0))
+    params = lsgd_jax.replicate(params0, mesh)
+    opt_state = lsgd_jax.replicate(tx.init(params0), mesh)
+    model_state = lsgd_jax.replicate(
+        {"count": np.zeros((), np.int32), "stat": np.zeros(2, np.float32)}, mesh
+    )
+    out = []
+    for batch in batches:
+        b = device_batch(cfg, batch)
+        if cfg.model_state:
+            params, model_state, opt_state, loss = step(params, model_state, opt_state, b)
+            out.append(observe(*fetch((params, opt_state, model_state, loss))))
+        else:
+            params, opt_state, loss = step(params, opt_state, b)
+            out.append(observe(*fetch((params, opt_state)), loss=np.array(loss)))
+    return out
+
+
+RUNNERS = {
+    "functional": run_functional,
+    "model_averaging": run_chain,
+    "optimizer": run_chain,
+    "step": run_step,
+}
+
+
+def check_run(cfg: M.RunConfig, steps: int, seed: int, injections=()) -> None:
+    """Runs the library and the model on the same data; compares after every step."""
+    params0 = initial_params(cfg, seed)
+    batches = make_batches(cfg, steps, seed, injections)
+    want, groups = M.simulate(cfg, params0, batches)
+    got = RUNNERS[cfg.path](cfg, params0, batches)
+    for t, (w, g) in enumerate(zip(want, got)):
+        compare(w, g, t, tolerance(cfg))
+        if cfg.path == "functional":
+            check_bitwise_groups({k[len("params/") :]: v for k, v in g.items() if k.startswith("params/")}, groups[t], t)
+
+
+# --- strategies ----------------------------------------------------------------------------------
+
+
+def axis_subsets(topo: M.Topology) -> list[tuple[str, ...]]:
+    """Every nonempty subset of the data axes, in mesh order."""
+    names = topo.names
+    return [
+        tuple(a for i, a in enumerate(names) if mask >> i & 1)
+        for mask in range(1, 2 ** len(names))
+    ]
+
+
+@st.composite
+def hooks(draw, topo: M.Topology, start_max: int = 4) -> M.HookConfig:
+    return M.HookConfig(
+        start=draw(st.integers(0, start_max)),
+        post_local_gradient_allreduce=draw(st.booleans()),
+        subgroup=draw(st.one_of(st.none(), st.sampled_from(axis_subsets(topo)))),
+        process_group=draw(st.sampled_from([None, topo.names])),
+    )
+
+
+@st.composite
+def hierarchies(draw, topo: M.Topology):
+    """Nested groups (prefixes of a permutation of the axes), the last one global, with
+    strictly increasing periods (the last > 1)."""
+    order = draw(st.permutations(topo.names))
+    sizes = sorted(draw(st.sets(st.integers(1, len(topo.names) - 1), max_size=2))) if len(
+        topo.names
+    ) > 1 else []
+    groups = [tuple(a for a in topo.names if a in order[:s]) for s in sizes]
+    groups.append(draw(st.sampled_from([None, topo.names])))
+    periods = sorted(draw(st.sets(st.integers(1, 6), min_size=len(groups), max_size=len(groups))))
+    if periods[-1] == 1:
+        periods[-1] = 2
+    return tuple(zip(periods, groups))
+
+
+@st.composite
+def averagers(draw, topo: M.Topology) -> M.AveragerConfig:
+    """Supported option combinations only (the unsupported ones must raise: see
+    test_unsupported_combinations_raise_at_construction)."""
+    kind = draw(st.sampled_from(["periodic", "hierarchical"]))
+    nonfinite = draw(st.sampled_from(["propagate", "exclude", "skip"]))
+    bf16 = draw(st.booleans()) if nonfinite == "propagate" else False
+    outer = draw(st.one_of(st.none(), st.sampled_from(OUTERS)))
+    common = dict(
+        warmup=draw(st.integers(0, 4)),
+        nonfinite=nonfinite,
+        outer=outer,
+        outer_skip_first=draw(st.booleans()) if outer is not None else True,
+        bf16=bf16,
+        delta=draw(st.booleans()),
+    )
+    if kind == "hierarchical":
+        return M.AveragerConfig("hierarchical", levels=draw(hierarchies(topo)), **common)
+    period = draw(st.one_of(st.integers(2, 4), st.sampled_from(sorted(M.SCHEDULES))))
+    fragments = 1
+    if isinstance(period, int) and outer is None:
+        fragments = draw(st.sampled_from([k for k in (1, 2, 3, 4) if period % k == 0]))
+    process_group = draw(st.sampled_from([None, *axis_subsets(topo)]))
+    return M.AveragerConfig(
+        "periodic", period=period, process_group=process_group, fragments=fragments, **common
+    )
+
+
+INNERS = [
+    M.InnerConfig("sgd"),
+    M.InnerConfig("momentum"),
+    M.InnerConfig("nesterov"),
+    M.InnerConfig("adam", lr=0.05),
+    M.InnerConfig("momentum", grad_norm=True),
+    M.InnerConfig("adam", lr=0.05, grad_norm=True),
+]
+
+
+@st.composite
+def injections(draw, cfg: M.RunConfig, steps: int):
+    if cfg.multi_steps > 1:
+        return ()  # optax.MultiSteps computes 0 * NaN on the mini-steps it does not emit
+    out = []
+    for target in ("grad", "model_state") if cfg.model_state else ("grad",):
+        if draw(st.booleans()):
+            out.append(
+                Injection(
+                    step=draw(st.integers(0, steps - 1)),
+                    replica=draw(st.integers(0, cfg.topo.size - 1)),
+                    leaf=draw(st.sampled_from(M.TRAINABLE)),
+                    index=draw(st.integers(0, 3)),
+                    value=draw(st.sampled_from([np.nan, np.inf, -np.inf])),
+                    target=target,
+                )
+            )
+    return tuple(out)
+
+
+@st.composite
+def runs(draw, path: str):
+    """(config, steps, seed, injections) for one path."""
+    topo = draw(st.sampled_from(TOPOLOGIES))
+    inner = draw(st.sampled_from(INNERS))
+    averager = draw(averagers(topo))
+    extra: dict[str, Any] = {}
+    hook = draw(hooks(topo))
+    if path == "functional":
+        extra["int_leaf"] = draw(st.booleans())
+        if averager.outer is None and averager.fragments == 1:
+            extra["complex_leaf"] = draw(st.booleans())
+    if path == "optimizer":
+        extra["opt_state_mask"] = draw(st.sampled_from(["none", "all", "arrays"]))
+    if path == "step":
+        hook = draw(st.one_of(st.none(), st.just(hook)))
+        step_tx = draw(st.sampled_from(["model_averaging", "optimizer", "inner"]))
+        extra["step_tx"] = step_tx
+        if step_tx == "inner":
+            averager = None
+        if step_tx == "optimizer":
+            extra["opt_state_mask"] = draw(st.sampled_from(["none", "all", "arrays"]))
+        extra["model_state"] = draw(st.booleans())
+        extra["multi_steps"] = draw(st.sampled_from([1, 1, 2, 3]))
+    cfg = M.RunConfig(topo, path, hook, inner, averager, **extra)
+    steps = draw(st.integers(1, 12))
+    seed = draw(st.integers(0, 2**16))
+    return cfg, steps, seed, draw(injections(cfg, steps))
+
+
+# --- the properties ---------------------------------------------------------------------------------
+
+
+@spec_settings(12)
+@given(runs("functional"))
+def test_functional_api_matches_the_model(run):
+    """(a) post_localSGD_hook -> inner -> apply_updates -> average_parameters."""
+    check_run(*run)
+
+
+@spec_settings(10)
+@given(runs("model_averaging"))
+def test_model_averaging_chain_matches_the_model(run):
+    """(b) optax.chain(post_local_sgd(...), inner, model_averaging(averager))."""
+    check_run(*run)
+
+
+@spec_settings(10)
+@given(runs("optimizer"))
+def test_post_local_sgd_optimizer_chain_matches_the_model(run):
+    """(c) optax.chain(post_local_sgd(...), post_local_sgd_optimizer(inner, averager,
+    average_opt_state=...))."""
+    check_run(*run)
+
+
+@spec_settings(14)
+@given(runs("step"))
+def test_data_parallel_step_matches_the_model(run):
+    """(d) data_parallel_step, with and without the hook (DDP), model state, MultiSteps."""
+    check_run(*run)
+
+
+@spec_settings(40)
+@given(st.sampled_from(TOPOLOGIES).flatmap(averagers), st.integers(1, 40))
+def test_schedule_matches_the_model(cfg, steps):
+    """averager.schedule / level against the model's rules (no compile)."""
+    averager = build_averager(cfg)
+    state = M.averager_init(cfg, {"a": np.zeros((1, 3), np.float32)})
+    want = []
+    for _ in range(steps):
+        level = M.averager_level(cfg, state)
+        want.append(level)
+        state.step += 1
+        if level and isinstance(cfg.period, str):
+            state.last_sync = state.step - 1
+    assert averager.schedule(steps).tolist() == want
+    if not isinstance(cfg.period, str):
+        assert [int(averager.level(s)) for s in range(steps)] == want
+    assert averager.num_levels == cfg.num_levels
+    assert [averager.is_global(k) for k in range(1, cfg.num_levels + 1)] == [
+        cfg.is_global(k) for k in range(1, cfg.num_levels + 1)
+    ]
+
+
+UNSUPPORTED = [
+    ("fragments with an outer optimizer", lambda: lsgd_jax.PeriodicModelAverager(
+        4, fragments=2, outer_optimizer=optax.sgd(0.7))),
+    ("fragments with a callable period", lambda: lsgd_jax.PeriodicModelAverager(
+        SCHEDULE_FNS["always_4"], fragments=2)),
+    ("a period not divisible by fragments", lambda: lsgd_jax.PeriodicModelAverager(
+        6, fragments=4)),
+    ("bf16 with exclude", lambda: lsgd_jax.PeriodicModelAverager(
+        2, communication_dtype=jnp.bfloat16, nonfinite="exclude")),
+    ("bf16 with skip", lambda: lsgd_jax.HierarchicalModelAverager(
+        {2: "local", 4: None}, communication_dtype=jnp.bfloat16, nonfinite="skip")),
+    ("a zero period", lambda: lsgd_jax.PeriodicModelAverager(0)),
+    ("a negative period", lambda: lsgd_jax.PeriodicModelAverager(-2)),
+    ("a zero hierarchical period", lambda: lsgd_jax.HierarchicalModelAverager({0: "local", 4: None})),
+    ("periods out of order", lambda: lsgd_jax.HierarchicalModelAverager({4: "local", 2: None})),
+    ("zero fragments", lambda: lsgd_jax.PeriodicModelAverager(4, fragments=0)),
+    ("negative warm-up", lambda: lsgd_jax.PeriodicModelAverager(2, warmup_steps=-1)),
+    ("an unknown policy", lambda: lsgd_jax.PeriodicModelAverager(2, nonfinite="ignore")),
+    ("a negative hook start", lambda: lsgd_jax.post_local_sgd(-1)),
+    ("an outer optimizer that is not optax", lambda: lsgd_jax.PeriodicModelAverager(
+        2, outer_optimizer=0.7)),
+]
+
+
+@pytest.mark.parametrize("make", [m for _, m in UNSUPPORTED], ids=[n for n, _ in UNSUPPORTED])
+def test_unsupported_combinations_raise_at_construction(make):
+    with pytest.raises((ValueError, TypeError)):
+        make()
+
+
+@spec_settings(30)
+@given(
+    period=st.integers(1, 12),
+    fragments=st.integers(2, 5),
+    nonfinite=st.sampled_from(["exclude", "skip"]),
+)
+def test_unsupported_option_draws_raise(period, fragments, nonfinite):
+    """Drawn unsupported combinations raise at construction, never run."""
+    with pytest.raises((ValueError, TypeError)):
+        lsgd_jax.PeriodicModelAverager(
+            max(period * fragments, 2), fragments=fragments, outer_optimizer=optax.sgd(0.7)
+        )
+    if period % fragments:
+        with pytest.raises(ValueError):
+            lsgd_jax.PeriodicModelAverager(period, fragments=fragments)
+    with pytest.raises(ValueError):
+        lsgd_jax.PeriodicModelAverager(
+            period + 1, communication_dtype=jnp.bfloat16, nonfinite=nonfinite
+        )
