@@ -32,9 +32,30 @@ Snapshot = dict[str, np.ndarray]
 TRAINABLE = ("a", "b")  # the float32 params leaves the loss (and the optimizer) sees
 
 
+def short_repr(cls):
+    """A dataclass repr that shows only the fields that differ from their defaults, so
+    that hypothesis's falsifying examples read as the options that matter."""
+
+    def __repr__(self):
+        parts = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.default is dataclasses.MISSING or value != f.default:
+                parts.append(f"{f.name}={value!r}")
+        return f"{type(self).__name__}({', '.join(parts)})"
+
+    def _repr_pretty_(self, printer, cycle):  # what hypothesis prints examples with
+        printer.text(repr(self))
+
+    cls.__repr__ = __repr__
+    cls._repr_pretty_ = _repr_pretty_
+    return cls
+
+
 # --- mesh and groups ----------------------------------------------------------------------
 
 
+@short_repr
 @dataclasses.dataclass(frozen=True)
 class Topology:
     """The data axes of the mesh, e.g. ``("node", "local")`` with shape ``(2, 4)``."""
@@ -123,6 +144,7 @@ def used_members(finite: list[bool], policy: str) -> list[int] | None:
 # --- the hook --------------------------------------------------------------------------------
 
 
+@short_repr
 @dataclasses.dataclass(frozen=True)
 class HookConfig:
     """``PostLocalSGDState(process_group, subgroup, start, post_local_gradient_allreduce)``."""
@@ -158,6 +180,7 @@ def ddp_mean(grads: Tree, topo: Topology) -> Tree:
 # --- the inner optimizer ---------------------------------------------------------------------
 
 
+@short_repr
 @dataclasses.dataclass(frozen=True)
 class InnerConfig:
     """The local (inner) optax optimizer.
@@ -255,6 +278,7 @@ def inner_update(cfg: InnerConfig, state: dict, grads: Tree) -> tuple[Tree, dict
 # --- the averagers ---------------------------------------------------------------------------
 
 
+@short_repr
 @dataclasses.dataclass(frozen=True)
 class OuterConfig:
     """An outer ``optax.sgd(lr, momentum, nesterov)``."""
@@ -264,6 +288,7 @@ class OuterConfig:
     nesterov: bool = False
 
 
+@short_repr
 @dataclasses.dataclass(frozen=True)
 class AveragerConfig:
     """A PeriodicModelAverager (``levels`` empty) or HierarchicalModelAverager.
@@ -580,6 +605,7 @@ def average_model_state(
 # --- a run ------------------------------------------------------------------------------------
 
 
+@short_repr
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """One run of the library, in one of the four ways of calling it.
@@ -605,7 +631,7 @@ class RunConfig:
     inner: InnerConfig
     averager: AveragerConfig | None
     opt_state_mask: str = "none"
-    step_tx: str = "model_averaging"
+    step_tx: str = ""
     multi_steps: int = 1
     model_state: bool = False
     int_leaf: bool = False

@@ -309,6 +309,7 @@ def check_bitwise_groups(params: dict, groups, step: int) -> None:
 # --- data -------------------------------------------------------------------------------------
 
 
+@M.short_repr
 @dataclasses.dataclass(frozen=True)
 class Injection:
     """A non-finite value in replica r's data at step t: its gradient (via d) or, with
@@ -722,7 +723,7 @@ def test_unsupported_combinations_raise_at_construction(make):
 
 @spec_settings(30)
 @given(
-    period=st.integers(1, 12),
+    period=st.integers(2, 12),
     fragments=st.integers(2, 5),
     nonfinite=st.sampled_from(["exclude", "skip"]),
 )
@@ -739,3 +740,211 @@ def test_unsupported_option_draws_raise(period, fragments, nonfinite):
         lsgd_jax.PeriodicModelAverager(
             period + 1, communication_dtype=jnp.bfloat16, nonfinite=nonfinite
         )
+
+
+# --- directed tests: the behaviour the fixes establish, with exact numbers ----------------------
+
+MESH_2X4 = M.Topology(TWO, (2, 4))
+
+
+def replica_values(*shape, scale=1.0, dtype=np.float32):
+    """Replica r holds ``scale * r`` everywhere (PyTorch's test tensors)."""
+    r = np.arange(8).reshape((8,) + (1,) * len(shape))
+    return (scale * r * np.ones(shape)).astype(dtype)
+
+
+def average_steps(averager, init_params, per_step_params):
+    """Calls ``average_parameters`` once per entry of ``per_step_params`` (per-replica
+    trees, leading axis 8) on the 2 x 4 mesh, the state per replica; returns the params
+    after each call and the final state, on the host."""
+    mesh, spec = mesh_of(MESH_2X4), P(TWO)
+
+    def body(p, s):
+        p, s = averager.average_parameters(*squeeze((p, s)))
+        return unsqueeze((p, s))
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec)))
+    state = lsgd_jax.replicate(averager.init(init_params), mesh)
+    outs = []
+    for params in per_step_params:
+        out, state = f(jax.device_put(params, jax.NamedSharding(mesh, spec)), state)
+        outs.append(fetch(out))
+    return outs, fetch(state)
+
+
+def test_skipped_global_average_leaves_the_delta_anchor_alone():
+    # Hierarchical {1: "local", 4: global}, delta, skip: step 0 is a global average that
+    # replica 5's NaN skips; step 1 averages each node, node 0 holding 0, 1, 2, 3 around
+    # the untouched anchor 0: 1.5 each (today: the skip moved each anchor to its own
+    # params, and node 0 keeps 0, 1, 2, 3).
+    averager = lsgd_jax.HierarchicalModelAverager(
+        {1: "local", 4: ("node", "local")}, delta=True, nonfinite="skip"
+    )
+    w = replica_values(1)
+    poisoned = w.copy()
+    poisoned[5] = np.nan
+    outs, state = average_steps(averager, {"w": np.zeros(1, np.float32)}, [{"w": poisoned}, {"w": w}])
+    np.testing.assert_array_equal(outs[1]["w"][:4, 0], [1.5] * 4)
+    np.testing.assert_array_equal(outs[1]["w"][4:, 0], [5.5] * 4)
+    np.testing.assert_array_equal(outs[0]["w"], poisoned)  # skipped: own values
+    np.testing.assert_array_equal(state.anchor["w"], np.zeros((8, 1), np.float32))
+
+
+def test_skipped_global_average_takes_no_outer_step():
+    # outer sgd(0.5), no skip-first, anchor 0; replica 7 has a NaN in another leaf, so the
+    # global average is skipped: w keeps 0..7 and outer_count stays 0 (today: the outer
+    # step still runs, w becomes 0, 0.5, ..., 3.5 and outer_count 1).
+    averager = lsgd_jax.PeriodicModelAverager(
+        2, nonfinite="skip", outer_optimizer=optax.sgd(0.5), outer_skip_first=False
+    )
+    v = np.zeros((8, 1), np.float32)
+    v[7] = np.nan
+    init = {"v": np.zeros(1, np.float32), "w": np.zeros(1, np.float32)}
+    outs, state = average_steps(averager, init, [{"v": v, "w": replica_values(1)}])
+    np.testing.assert_array_equal(outs[0]["w"][:, 0], np.arange(8, dtype=np.float32))
+    np.testing.assert_array_equal(state.outer_count, np.zeros(8, np.int32))
+    np.testing.assert_array_equal(state.anchor["w"], np.zeros((8, 1), np.float32))
+
+
+def test_skipped_first_global_average_does_not_use_up_outer_skip_first():
+    # skip-first (default): step 0 is skipped (NaN), so step 2, the first real global
+    # average, is still a plain average: 3.5 everywhere, outer_count 1 afterwards.
+    averager = lsgd_jax.PeriodicModelAverager(
+        2, nonfinite="skip", outer_optimizer=optax.sgd(0.5)
+    )
+    w = replica_values(1)
+    poisoned = w.copy()
+    poisoned[7] = np.nan
+    outs, state = average_steps(
+        averager, {"w": np.zeros(1, np.float32)}, [{"w": poisoned}, {"w": w}, {"w": w}]
+    )
+    np.testing.assert_array_equal(outs[2]["w"], np.full((8, 1), 3.5, np.float32))
+    np.testing.assert_array_equal(state.outer_count, np.ones(8, np.int32))
+
+
+def test_outer_optimizer_leaves_integer_leaves_alone():
+    # {"w": f32, "n": int32} with n = 0, 10, ..., 70: the outer sgd(0.7) acts on w only
+    # (today: n becomes 0, 7, ..., 49).
+    averager = lsgd_jax.PeriodicModelAverager(
+        2, outer_optimizer=optax.sgd(0.7), outer_skip_first=False
+    )
+    init = {"n": np.zeros((), np.int32), "w": np.zeros(1, np.float32)}
+    n = np.arange(0, 80, 10, dtype=np.int32)
+    outs, _ = average_steps(averager, init, [{"n": n, "w": replica_values(1)}])
+    np.testing.assert_array_equal(outs[0]["n"], n)
+    # w: anchor 0, mean 3.5, pseudo-gradient -3.5, update 0.7 * 3.5
+    np.testing.assert_allclose(outs[0]["w"][:, 0], np.full(8, 0.7 * 3.5), rtol=1e-6)
+
+
+def test_fragment_average_moves_only_its_part_of_the_delta_anchor():
+    # PeriodicModelAverager(2, fragments=2, delta=True), replica r holding r (4 values):
+    # step 0 averages values 0-1, step 1 values 2-3, each around the init anchor 0: 3.5
+    # everywhere (today: step 0 moves the whole anchor, and values 2-3 stay 0,0,1,1,...,7,7).
+    averager = lsgd_jax.PeriodicModelAverager(2, fragments=2, delta=True)
+    w = replica_values(4)
+    outs, state = average_steps(averager, {"w": np.zeros(4, np.float32)}, [{"w": w}, {"w": w}])
+    np.testing.assert_array_equal(outs[0]["w"][:, :2], np.full((8, 2), 3.5, np.float32))
+    np.testing.assert_array_equal(outs[0]["w"][:, 2:], w[:, 2:])
+    np.testing.assert_array_equal(outs[1]["w"][:, 2:], np.full((8, 2), 3.5, np.float32))
+    np.testing.assert_array_equal(state.anchor["w"], np.full((8, 4), 3.5, np.float32))
+
+
+def test_bf16_communication_averages_the_imaginary_part():
+    # complex64 r + 2rj in bf16: the mean is 3.5 + 7j (today: 3.5 + 0j).
+    averager = lsgd_jax.PeriodicModelAverager(2, communication_dtype=jnp.bfloat16)
+    z = (np.arange(8) * (1 + 2j)).astype(np.complex64).reshape(8, 1)
+    outs, _ = average_steps(averager, None, [{"z": z}])
+    np.testing.assert_array_equal(outs[0]["z"], np.full((8, 1), 3.5 + 7j, np.complex64))
+
+
+def test_fragment_average_cuts_adam_moments_like_the_params():
+    # post_local_sgd_optimizer(adam, PeriodicModelAverager(2, fragments=2), moments
+    # averaged): step 0 averages params values 0-1, and so mu[0:2] and nu[0:2], not all
+    # of mu (today: the moments are cut by their own flattened order, mu then nu).
+    mesh, spec = mesh_of(MESH_2X4), P(TWO)
+    inner = optax.adam(0.1, b1=0.5, b2=0.5)
+    tx = lsgd_jax.post_local_sgd_optimizer(
+        inner, lsgd_jax.PeriodicModelAverager(2, fragments=2), average_opt_state=arrays_mask
+    )
+
+    def body(p, s, g):
+        p, s, g = squeeze((p, s, g))
+        u, s = tx.update(g, s, p)
+        return unsqueeze((optax.apply_updates(p, u), s))
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec,) * 2))
+    p0 = {"w": np.zeros(4, np.float32)}
+    grads = {"w": replica_values(4)}
+    _, state = f(
+        lsgd_jax.replicate(p0, mesh),
+        lsgd_jax.replicate(tx.init(p0), mesh),
+        jax.device_put(grads, jax.NamedSharding(mesh, spec)),
+    )
+    adam = fetch(state.inner_state[0])
+    r = np.arange(8, dtype=np.float32)[:, None]
+    np.testing.assert_allclose(adam.mu["w"][:, :2], np.full((8, 2), 0.5 * 3.5), rtol=1e-6)
+    np.testing.assert_allclose(adam.mu["w"][:, 2:], 0.5 * r * np.ones((8, 2)), rtol=1e-6)
+    np.testing.assert_allclose(
+        adam.nu["w"][:, :2], np.full((8, 2), 0.5 * np.mean(r**2)), rtol=1e-6
+    )
+    np.testing.assert_allclose(adam.nu["w"][:, 2:], 0.5 * r**2 * np.ones((8, 2)), rtol=1e-6)
+
+
+def test_multisteps_model_state_is_averaged_only_when_an_update_is_emitted():
+    # MultiSteps(k=2) around sgd + model_averaging(Periodic(2)); model state stat += r.
+    # Mini-step 0 emits nothing: stat stays 0..7 (today: averaged to 3.5); mini-step 1
+    # emits at averager step 0 (an averaging step): stat = mean(2r) = 7.
+    mesh = mesh_of(MESH_2X4)
+    chain = optax.chain(
+        optax.sgd(0.1), lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(2))
+    )
+    tx = optax.MultiSteps(chain, every_k_schedule=2)
+
+    def loss(params, model_state, batch):
+        return jnp.sum((params["w"] - batch["x"][0]) ** 2), {"stat": model_state["stat"] + batch["r"][0]}
+
+    step = lsgd_jax.data_parallel_step(loss, tx, mesh, with_model_state=True)
+    p0 = {"w": np.zeros(2, np.float32)}
+    params, opt_state = lsgd_jax.replicate(p0, mesh), lsgd_jax.replicate(tx.init(p0), mesh)
+    model_state = lsgd_jax.replicate({"stat": np.zeros((), np.float32)}, mesh)
+    batch = {"x": np.ones((8, 2), np.float32), "r": np.arange(8, dtype=np.float32)}
+    params, model_state, opt_state, _ = step(params, model_state, opt_state, batch)
+    np.testing.assert_array_equal(fetch(model_state)["stat"], np.arange(8, dtype=np.float32))
+    params, model_state, opt_state, _ = step(params, model_state, opt_state, batch)
+    np.testing.assert_array_equal(fetch(model_state)["stat"], np.full(8, 7.0, np.float32))
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (8, 1)])
+def test_data_parallel_step_runs_on_meshes_with_a_size_one_axis(shape):
+    # Today: ValueError ("sharded as P('local',), not over the replica axes") on step 2.
+    mesh = lsgd_jax.make_mesh(*shape)
+    tx = optax.chain(
+        lsgd_jax.post_local_sgd(1),
+        optax.sgd(0.1, momentum=0.9),
+        lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(2, warmup_steps=1)),
+    )
+    step = lsgd_jax.data_parallel_step(lambda p, b: jnp.sum((p - b[0]) ** 2), tx, mesh)
+    p0 = np.zeros(3, np.float32)
+    params, opt_state = lsgd_jax.replicate(p0, mesh), lsgd_jax.replicate(tx.init(p0), mesh)
+    batch = np.arange(24, dtype=np.float32).reshape(8, 3)
+    for _ in range(4):
+        params, opt_state, loss = step(params, opt_state, batch)
+    assert np.asarray(params).shape == (8, 3) and np.isfinite(float(loss))
+    np.testing.assert_array_equal(np.asarray(opt_state[2].step), np.full(8, 4))
+
+
+def test_data_parallel_step_without_a_hook_is_ddp():
+    # No post_local_sgd in the chain: gradients are averaged over every replica each step,
+    # so adamw keeps the replicas identical (today: they drift apart).
+    mesh = mesh_of(MESH_2X4)
+    tx = optax.adamw(1e-3)
+    step = lsgd_jax.data_parallel_step(lambda p, b: jnp.sum((p - b[0]) ** 2), tx, mesh)
+    p0 = np.zeros(3, np.float32)
+    params, opt_state = lsgd_jax.replicate(p0, mesh), lsgd_jax.replicate(tx.init(p0), mesh)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        batch = rng.standard_normal((8, 3)).astype(np.float32)
+        params, opt_state, _ = step(params, opt_state, batch)
+    p = np.asarray(params)
+    for r in range(8):
+        np.testing.assert_array_equal(p[r], p[0], err_msg=f"replica {r} drifted from replica 0")
