@@ -125,6 +125,7 @@ SCHEDULE_FNS = {
 }
 assert set(SCHEDULE_FNS) == set(M.SCHEDULES)
 
+OUTER_HALF = M.OuterConfig(0.5)
 OUTERS = [
     M.OuterConfig(1.0),
     M.OuterConfig(0.7),
@@ -772,89 +773,104 @@ def average_steps(averager, init_params, per_step_params):
     return outs, fetch(state)
 
 
+def average_both(cfg: M.AveragerConfig, init: dict, per_step: list[dict]) -> dict:
+    """The same averaging calls through the model and through the library: ``{"model":
+    (params after each call, state), "library": (...)}``, model first, so that a
+    wrong expectation shows as the model's failure."""
+    state = M.averager_init(cfg, {k: np.stack([v] * 8) for k, v in init.items()})
+    outs = []
+    for params in per_step:
+        done, state = M.average_call(cfg, state, params, MESH_2X4)
+        outs.append(done.params)
+    return {"model": (outs, state), "library": average_steps(build_averager(cfg), init, per_step)}
+
+
 def test_skipped_global_average_leaves_the_delta_anchor_alone():
     # Hierarchical {1: "local", 4: global}, delta, skip: step 0 is a global average that
     # replica 5's NaN skips; step 1 averages each node, node 0 holding 0, 1, 2, 3 around
     # the untouched anchor 0: 1.5 each (today: the skip moved each anchor to its own
     # params, and node 0 keeps 0, 1, 2, 3).
-    averager = lsgd_jax.HierarchicalModelAverager(
-        {1: "local", 4: ("node", "local")}, delta=True, nonfinite="skip"
+    cfg = M.AveragerConfig(
+        "hierarchical", levels=((1, ("local",)), (4, TWO)), delta=True, nonfinite="skip"
     )
     w = replica_values(1)
     poisoned = w.copy()
     poisoned[5] = np.nan
-    outs, state = average_steps(averager, {"w": np.zeros(1, np.float32)}, [{"w": poisoned}, {"w": w}])
-    np.testing.assert_array_equal(outs[1]["w"][:4, 0], [1.5] * 4)
-    np.testing.assert_array_equal(outs[1]["w"][4:, 0], [5.5] * 4)
-    np.testing.assert_array_equal(outs[0]["w"], poisoned)  # skipped: own values
-    np.testing.assert_array_equal(state.anchor["w"], np.zeros((8, 1), np.float32))
+    init = {"w": np.zeros(1, np.float32)}
+    for who, (outs, state) in average_both(cfg, init, [{"w": poisoned}, {"w": w}]).items():
+        np.testing.assert_array_equal(outs[1]["w"][:4, 0], [1.5] * 4, err_msg=who)
+        np.testing.assert_array_equal(outs[1]["w"][4:, 0], [5.5] * 4, err_msg=who)
+        np.testing.assert_array_equal(outs[0]["w"], poisoned, err_msg=who)  # own values
+        np.testing.assert_array_equal(state.anchor["w"], np.zeros((8, 1)), err_msg=who)
 
 
 def test_skipped_global_average_takes_no_outer_step():
     # outer sgd(0.5), no skip-first, anchor 0; replica 7 has a NaN in another leaf, so the
     # global average is skipped: w keeps 0..7 and outer_count stays 0 (today: the outer
     # step still runs, w becomes 0, 0.5, ..., 3.5 and outer_count 1).
-    averager = lsgd_jax.PeriodicModelAverager(
-        2, nonfinite="skip", outer_optimizer=optax.sgd(0.5), outer_skip_first=False
+    cfg = M.AveragerConfig(
+        "periodic", period=2, nonfinite="skip", outer=OUTER_HALF, outer_skip_first=False
     )
     v = np.zeros((8, 1), np.float32)
     v[7] = np.nan
     init = {"v": np.zeros(1, np.float32), "w": np.zeros(1, np.float32)}
-    outs, state = average_steps(averager, init, [{"v": v, "w": replica_values(1)}])
-    np.testing.assert_array_equal(outs[0]["w"][:, 0], np.arange(8, dtype=np.float32))
-    np.testing.assert_array_equal(state.outer_count, np.zeros(8, np.int32))
-    np.testing.assert_array_equal(state.anchor["w"], np.zeros((8, 1), np.float32))
+    for who, (outs, state) in average_both(cfg, init, [{"v": v, "w": replica_values(1)}]).items():
+        np.testing.assert_array_equal(outs[0]["w"][:, 0], np.arange(8), err_msg=who)
+        np.testing.assert_array_equal(state.outer_count, np.zeros(8), err_msg=who)
+        np.testing.assert_array_equal(state.anchor["w"], np.zeros((8, 1)), err_msg=who)
 
 
 def test_skipped_first_global_average_does_not_use_up_outer_skip_first():
     # skip-first (default): step 0 is skipped (NaN), so step 2, the first real global
-    # average, is still a plain average: 3.5 everywhere, outer_count 1 afterwards.
-    averager = lsgd_jax.PeriodicModelAverager(
-        2, nonfinite="skip", outer_optimizer=optax.sgd(0.5)
-    )
+    # average, is still a plain average: 3.5 everywhere, outer_count 1 afterwards
+    # (today: 1.75, 2.25, 2.75, ...: an outer step around an anchor the skip moved).
+    cfg = M.AveragerConfig("periodic", period=2, nonfinite="skip", outer=OUTER_HALF)
     w = replica_values(1)
     poisoned = w.copy()
     poisoned[7] = np.nan
-    outs, state = average_steps(
-        averager, {"w": np.zeros(1, np.float32)}, [{"w": poisoned}, {"w": w}, {"w": w}]
-    )
-    np.testing.assert_array_equal(outs[2]["w"], np.full((8, 1), 3.5, np.float32))
-    np.testing.assert_array_equal(state.outer_count, np.ones(8, np.int32))
+    init = {"w": np.zeros(1, np.float32)}
+    for who, (outs, state) in average_both(
+        cfg, init, [{"w": poisoned}, {"w": w}, {"w": w}]
+    ).items():
+        np.testing.assert_array_equal(outs[2]["w"], np.full((8, 1), 3.5), err_msg=who)
+        np.testing.assert_array_equal(state.outer_count, np.ones(8), err_msg=who)
 
 
 def test_outer_optimizer_leaves_integer_leaves_alone():
     # {"w": f32, "n": int32} with n = 0, 10, ..., 70: the outer sgd(0.7) acts on w only
     # (today: n becomes 0, 7, ..., 49).
-    averager = lsgd_jax.PeriodicModelAverager(
-        2, outer_optimizer=optax.sgd(0.7), outer_skip_first=False
+    cfg = M.AveragerConfig(
+        "periodic", period=2, outer=M.OuterConfig(0.7), outer_skip_first=False
     )
     init = {"n": np.zeros((), np.int32), "w": np.zeros(1, np.float32)}
     n = np.arange(0, 80, 10, dtype=np.int32)
-    outs, _ = average_steps(averager, init, [{"n": n, "w": replica_values(1)}])
-    np.testing.assert_array_equal(outs[0]["n"], n)
-    # w: anchor 0, mean 3.5, pseudo-gradient -3.5, update 0.7 * 3.5
-    np.testing.assert_allclose(outs[0]["w"][:, 0], np.full(8, 0.7 * 3.5), rtol=1e-6)
+    for who, (outs, _) in average_both(cfg, init, [{"n": n, "w": replica_values(1)}]).items():
+        np.testing.assert_array_equal(outs[0]["n"], n, err_msg=who)
+        # w: anchor 0, mean 3.5, pseudo-gradient -3.5, update 0.7 * 3.5
+        np.testing.assert_allclose(outs[0]["w"][:, 0], np.full(8, 2.45), rtol=1e-6, err_msg=who)
 
 
 def test_fragment_average_moves_only_its_part_of_the_delta_anchor():
     # PeriodicModelAverager(2, fragments=2, delta=True), replica r holding r (4 values):
     # step 0 averages values 0-1, step 1 values 2-3, each around the init anchor 0: 3.5
     # everywhere (today: step 0 moves the whole anchor, and values 2-3 stay 0,0,1,1,...,7,7).
-    averager = lsgd_jax.PeriodicModelAverager(2, fragments=2, delta=True)
+    cfg = M.AveragerConfig("periodic", period=2, fragments=2, delta=True)
     w = replica_values(4)
-    outs, state = average_steps(averager, {"w": np.zeros(4, np.float32)}, [{"w": w}, {"w": w}])
-    np.testing.assert_array_equal(outs[0]["w"][:, :2], np.full((8, 2), 3.5, np.float32))
-    np.testing.assert_array_equal(outs[0]["w"][:, 2:], w[:, 2:])
-    np.testing.assert_array_equal(outs[1]["w"][:, 2:], np.full((8, 2), 3.5, np.float32))
-    np.testing.assert_array_equal(state.anchor["w"], np.full((8, 4), 3.5, np.float32))
+    init = {"w": np.zeros(4, np.float32)}
+    for who, (outs, state) in average_both(cfg, init, [{"w": w}, {"w": w}]).items():
+        np.testing.assert_array_equal(outs[1]["w"][:, 2:], np.full((8, 2), 3.5), err_msg=who)
+        np.testing.assert_array_equal(outs[0]["w"][:, :2], np.full((8, 2), 3.5), err_msg=who)
+        np.testing.assert_array_equal(outs[0]["w"][:, 2:], w[:, 2:], err_msg=who)
+        np.testing.assert_array_equal(state.anchor["w"], np.full((8, 4), 3.5), err_msg=who)
 
 
 def test_bf16_communication_averages_the_imaginary_part():
     # complex64 r + 2rj in bf16: the mean is 3.5 + 7j (today: 3.5 + 0j).
-    averager = lsgd_jax.PeriodicModelAverager(2, communication_dtype=jnp.bfloat16)
+    cfg = M.AveragerConfig("periodic", period=2, bf16=True)
     z = (np.arange(8) * (1 + 2j)).astype(np.complex64).reshape(8, 1)
-    outs, _ = average_steps(averager, None, [{"z": z}])
-    np.testing.assert_array_equal(outs[0]["z"], np.full((8, 1), 3.5 + 7j, np.complex64))
+    init = {"z": np.zeros(1, np.complex64)}
+    for who, (outs, _) in average_both(cfg, init, [{"z": z}]).items():
+        np.testing.assert_array_equal(outs[0]["z"], np.full((8, 1), 3.5 + 7j), err_msg=who)
 
 
 def test_fragment_average_cuts_adam_moments_like_the_params():
@@ -882,12 +898,20 @@ def test_fragment_average_cuts_adam_moments_like_the_params():
     )
     adam = fetch(state.inner_state[0])
     r = np.arange(8, dtype=np.float32)[:, None]
-    np.testing.assert_allclose(adam.mu["w"][:, :2], np.full((8, 2), 0.5 * 3.5), rtol=1e-6)
-    np.testing.assert_allclose(adam.mu["w"][:, 2:], 0.5 * r * np.ones((8, 2)), rtol=1e-6)
-    np.testing.assert_allclose(
-        adam.nu["w"][:, :2], np.full((8, 2), 0.5 * np.mean(r**2)), rtol=1e-6
+    cfg = M.AveragerConfig("periodic", period=2, fragments=2)
+    moments = {"mu": {"w": 0.5 * grads["w"]}, "nu": {"w": 0.5 * grads["w"] ** 2}}
+    model, _ = M.average_call(
+        cfg, M.averager_init(cfg, {"w": np.zeros((8, 4), np.float32)}),
+        {"w": np.zeros((8, 4), np.float32)}, MESH_2X4, moments,
     )
-    np.testing.assert_allclose(adam.nu["w"][:, 2:], 0.5 * r**2 * np.ones((8, 2)), rtol=1e-6)
+    for who, mu, nu in [
+        ("model", model.extra["mu"]["w"], model.extra["nu"]["w"]),
+        ("library", adam.mu["w"], adam.nu["w"]),
+    ]:
+        np.testing.assert_allclose(mu[:, :2], np.full((8, 2), 1.75), rtol=1e-6, err_msg=who)
+        np.testing.assert_allclose(mu[:, 2:], 0.5 * r * np.ones((8, 2)), rtol=1e-6, err_msg=who)
+        np.testing.assert_allclose(nu[:, :2], np.full((8, 2), 8.75), rtol=1e-6, err_msg=who)
+        np.testing.assert_allclose(nu[:, 2:], 0.5 * r**2 * np.ones((8, 2)), rtol=1e-6, err_msg=who)
 
 
 def test_multisteps_model_state_is_averaged_only_when_an_update_is_emitted():
