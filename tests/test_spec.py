@@ -641,21 +641,21 @@ def runs(draw, path: str):
 # --- the properties ---------------------------------------------------------------------------------
 
 
-@spec_settings(12)
+@spec_settings(40)
 @given(runs("functional"))
 def test_functional_api_matches_the_model(run):
     """(a) post_localSGD_hook -> inner -> apply_updates -> average_parameters."""
     check_run(*run)
 
 
-@spec_settings(10)
+@spec_settings(30)
 @given(runs("model_averaging"))
 def test_model_averaging_chain_matches_the_model(run):
     """(b) optax.chain(post_local_sgd(...), inner, model_averaging(averager))."""
     check_run(*run)
 
 
-@spec_settings(10)
+@spec_settings(30)
 @given(runs("optimizer"))
 def test_post_local_sgd_optimizer_chain_matches_the_model(run):
     """(c) optax.chain(post_local_sgd(...), post_local_sgd_optimizer(inner, averager,
@@ -663,14 +663,14 @@ def test_post_local_sgd_optimizer_chain_matches_the_model(run):
     check_run(*run)
 
 
-@spec_settings(14)
+@spec_settings(50)
 @given(runs("step"))
 def test_data_parallel_step_matches_the_model(run):
     """(d) data_parallel_step, with and without the hook (DDP), model state, MultiSteps."""
     check_run(*run)
 
 
-@spec_settings(40)
+@spec_settings(60)
 @given(st.sampled_from(TOPOLOGIES).flatmap(averagers), st.integers(1, 40))
 def test_schedule_matches_the_model(cfg, steps):
     """averager.schedule / level against the model's rules (no compile)."""
