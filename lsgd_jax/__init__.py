@@ -25,6 +25,8 @@ from lsgd_jax._report import Collective
 from lsgd_jax._report import CommunicationReport
 from lsgd_jax._report import communication_report
 from lsgd_jax._state import PostLocalSGDState
+from lsgd_jax._pairing import check_configuration
+from lsgd_jax._step import DataParallelStep
 from lsgd_jax._step import averager_states
 from lsgd_jax._step import data_parallel_step
 from lsgd_jax._checkpoint import latest_checkpoint_step
@@ -39,6 +41,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AxisNotBoundError",
     "Collective",
+    "DataParallelStep",
     "CommunicationReport",
     "HierarchicalModelAverager",
     "IndexGroups",
@@ -49,6 +52,7 @@ __all__ = [
     "ReplicasOutOfSyncError",
     "assert_replicas_in_sync",
     "averager_states",
+    "check_configuration",
     "communication_report",
     "consensus",
     "data_axes",

@@ -217,6 +217,7 @@ def lowered_step_report(tx, mesh, platform):
     return lsgd_jax.communication_report(step.jitted, *args, platform=platform)
 
 
+@pytest.mark.filterwarnings("ignore:HierarchicalModelAverager averages over")  # all collectives
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_the_step_lowers_for_gpu_and_tpu_with_collectives_inside_conditionals(platform):
     mesh = mesh_2x4()
