@@ -399,7 +399,8 @@ def compressed_mean(tree: Any, group: Group, dtype: Any, cast: bool = True) -> A
     replica of the group with the same (``dtype``-rounded) result.
 
     Args:
-      tree: a pytree; integer and boolean leaves pass unchanged.
+      tree: a pytree; integer and boolean leaves pass unchanged; complex leaves are
+        sent as their real and imaginary parts.
       group: a resolved group (axes, or IndexGroups).
       dtype: the dtype on the wire.
 
@@ -415,7 +416,11 @@ def compressed_mean(tree: Any, group: Group, dtype: Any, cast: bool = True) -> A
     else:
         axis, kwargs = group, {}
     n = group_size(group)
-    flat = jnp.concatenate([jnp.ravel(leaves[i]).astype(jnp.float32) for i in picked])
+    parts = []  # complex leaves travel as their real and imaginary parts
+    for i in picked:
+        x = jnp.ravel(leaves[i])
+        parts += [x.real, x.imag] if jnp.iscomplexobj(x) else [x]
+    flat = jnp.concatenate([x.astype(jnp.float32) for x in parts])
     size = flat.shape[0]
     buf = jnp.pad(flat, (0, (-size) % n)).astype(dtype).reshape(n, -1)
     received = lax.all_to_all(buf, axis, 0, 0, **kwargs)
@@ -427,6 +432,10 @@ def compressed_mean(tree: Any, group: Group, dtype: Any, cast: bool = True) -> A
         x = leaves[i]
         piece = full[offset : offset + x.size].reshape(x.shape)
         offset += x.size
+        if jnp.iscomplexobj(x):
+            imag = full[offset : offset + x.size].reshape(x.shape)
+            offset += x.size
+            piece = lax.complex(piece, imag)
         piece = piece.astype(x.dtype)
         out[i] = cast_varying(piece, vma(x)) if cast else piece
     return jax.tree.unflatten(treedef, out)

@@ -223,3 +223,33 @@ def test_an_averager_without_the_hook_is_refused():
     fix = r"post_local_sgd\(0, post_local_gradient_allreduce=False\)"
     with pytest.raises(ValueError, match=fix):
         step(p, s, quadratic_batch(0))
+
+
+def test_model_state_under_multisteps_averages_only_on_emitting_mini_steps():
+    mesh = mesh_2x4()
+    averager = lsgd_jax.PeriodicModelAverager(2)  # averages at its steps 0, 2, 4, ...
+    tx = optax.MultiSteps(
+        optax.chain(
+            lsgd_jax.post_local_sgd(0, post_local_gradient_allreduce=False),
+            optax.sgd(0.05),
+            lsgd_jax.model_averaging(averager),
+        ),
+        every_k_schedule=2,
+    )
+    step = lsgd_jax.data_parallel_step(mlp_loss, tx, mesh, has_aux=True, with_model_state=True)
+    p0 = {"w": jnp.ones((5, 2))}
+    s0 = {"running_mean": jnp.zeros(2), "count": jnp.zeros([], jnp.int32)}
+    params, model_state = lsgd_jax.replicate(p0, mesh), lsgd_jax.replicate(s0, mesh)
+    opt_state = lsgd_jax.replicate(tx.init(p0), mesh)
+    rng = np.random.default_rng(0)
+    averaged = []
+    for _ in range(8):
+        batch = {
+            "x": rng.standard_normal((32, 5), np.float32),
+            "y": rng.standard_normal((32, 2), np.float32),
+        }
+        params, model_state, opt_state, _, _ = step(params, model_state, opt_state, batch)
+        rm = np.asarray(model_state["running_mean"])
+        averaged.append(bool(np.all(rm == rm[0])))
+    # Mini-steps 1, 5 emit updates at averager steps 0 and 2; 3 and 7 emit at 1 and 3.
+    assert averaged == [False, True, False, False, False, True, False, False]
