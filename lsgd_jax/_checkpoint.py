@@ -8,6 +8,9 @@ metadata the arrays do not carry (the axis names in ``PostLocalSGDState``, the a
 in ``ModelAveragerState``) and the shardings to restore onto, so each process reads only
 its own shards.
 
+Each step folder also holds ``lsgd_jax_files.json``, the size of every file of the step
+when the save completed: a cheap check (a listing and small reads) that finds truncated
+or missing files, so that a damaged newest step is skipped instead of failing the resume.
 The manifest also records the static configuration of the post-local SGD states (the
 hook's axes, the averager's fields) in a form that is stable across processes, so that
 restoring warns only when that configuration really changed, one line per changed field.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import re
 import types
@@ -33,6 +37,35 @@ from lsgd_jax._state import PostLocalSGDState
 from lsgd_jax._sync import assert_replicas_in_sync
 
 _ARRAYS, _MANIFEST = "arrays", "manifest"
+_FILES = "lsgd_jax_files.json"  # the step's files and their sizes, written after the save
+# JSON files of a step that the cheap check parses when present (orbax's and ours).
+_JSON_FILES = ("_CHECKPOINT_METADATA", f"{_MANIFEST}/metadata", f"{_ARRAYS}/_METADATA")
+
+
+class UnreadableCheckpointError(ValueError):
+    """A checkpoint step cannot be read: its files are truncated, missing, or do not parse.
+
+    Raised by :func:`restore_checkpoint` for a step asked for explicitly (``step=N``), or
+    when no saved step is readable. Without ``step``, unreadable steps are skipped with a
+    warning and the newest readable one is restored. Nothing is deleted.
+
+    Attributes:
+      step: the unreadable step (None: no step was readable).
+      path: the damaged file, or the folder whose files failed to read.
+      reason: what is wrong with it.
+
+    Example:
+      >>> from lsgd_jax._checkpoint import UnreadableCheckpointError
+      >>> err = UnreadableCheckpointError("damaged", 6, "/ckpt/6/_CHECKPOINT_METADATA", "empty")
+      >>> err.step, err.reason
+      (6, 'empty')
+    """
+
+    def __init__(self, message: str, step: int | None, path: str, reason: str) -> None:
+        super().__init__(message)
+        self.step = step
+        self.path = path
+        self.reason = reason
 
 
 def _ocp():
@@ -45,11 +78,11 @@ def _ocp():
     return ocp
 
 
-def _manager(directory: str | os.PathLike, max_to_keep: int | None = None, *, write: bool):
+def _manager(directory: str | os.PathLike, max_to_keep: int | None = None):
     ocp = _ocp()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
-        create=write,  # creating the folder is a barrier: only when every process saves
+        create=True,  # creating the folder is a barrier: every process saves
         enable_async_checkpointing=False,
     )
     return ocp.CheckpointManager(
@@ -301,6 +334,93 @@ def _differences(manifest: dict, paths: list[str], treedef: str, target: Any) ->
     return lines
 
 
+# -- readable steps: a cheap check of the files -----------------------------------------
+
+
+def _step_dir(directory: str | os.PathLike, step: int) -> str:
+    return os.path.join(os.path.abspath(os.fspath(directory)), str(step))
+
+
+def _write_file_sizes(step_dir: str) -> None:
+    """Writes ``lsgd_jax_files.json``: every file of the finished step and its size."""
+    sizes = {}
+    for root, _, names in os.walk(step_dir):
+        for name in names:
+            if name.startswith((_FILES, f".{_FILES}")):
+                continue
+            path = os.path.join(root, name)
+            sizes[os.path.relpath(path, step_dir).replace(os.sep, "/")] = os.path.getsize(path)
+    tmp = os.path.join(step_dir, f".{_FILES}.tmp")
+    try:  # write, then rename: a reader sees the whole list or none
+        with open(tmp, "w") as f:
+            json.dump({"format": 1, "files": dict(sorted(sizes.items()))}, f)
+        os.replace(tmp, os.path.join(step_dir, _FILES))
+    except OSError as e:
+        warnings.warn(
+            f"save_checkpoint: could not write {os.path.join(step_dir, _FILES)} ({e}); the "
+            "checkpoint is complete, but a later truncation of its array files will only "
+            "be found when they are read.",
+            stacklevel=3,
+        )
+
+
+def _damage(step_dir: str) -> tuple[str, str] | None:
+    """``(file, what is wrong)`` for a damaged step folder; None if it looks readable.
+
+    A listing and small reads: the sizes recorded in ``lsgd_jax_files.json`` at save time
+    (when there is one), then the step's small JSON files must parse.
+    """
+    sidecar, sidecar_damage, listed = os.path.join(step_dir, _FILES), None, None
+    if os.path.exists(sidecar):
+        try:
+            with open(sidecar, encoding="utf-8") as f:
+                listed = dict(json.load(f)["files"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            sidecar_damage = (sidecar, f"does not parse ({type(e).__name__}: {e})")
+    bad = []
+    for rel, size in (listed or {}).items():
+        path = os.path.join(step_dir, *rel.split("/"))
+        try:
+            actual = os.path.getsize(path)
+        except OSError:
+            bad.append((path, "is missing"))
+            continue
+        if actual != size:
+            bad.append((path, f"has {actual} bytes, {size} when saved"))
+    if bad:
+        more = f" (and {len(bad) - 1} more damaged files)" if len(bad) > 1 else ""
+        return bad[0][0], bad[0][1] + more
+    for rel in _JSON_FILES:
+        path = os.path.join(step_dir, *rel.split("/"))
+        if not os.path.exists(path):
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                json.load(f)
+        except (OSError, ValueError) as e:
+            return path, f"does not parse as JSON ({type(e).__name__}: {e})"
+    return sidecar_damage
+
+
+def _readable(directory: str | os.PathLike, steps: list[int]) -> list[int]:
+    return [s for s in steps if _damage(_step_dir(directory, s)) is None]
+
+
+def _skipped(what: str, step: int, path: str, reason: str) -> str:
+    return (
+        f"{what}: skipping checkpoint {step}, it is unreadable: {path} {reason}. Using "
+        "the next older step; nothing is deleted."
+    )
+
+
+class _Damaged(Exception):
+    """A step folder failed the cheap check or its reads: ``args == (path, reason)``."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(path, reason)
+        self.path, self.reason = path, reason
+
+
 def save_checkpoint(
     directory: str | os.PathLike, step: int, tree: Any, *, max_to_keep: int | None = None
 ) -> str:
@@ -310,7 +430,10 @@ def save_checkpoint(
     written by the processes that hold its shards, so with several processes every
     process must call this (with the same ``step``). The checkpoint appears under
     ``directory/<step>`` only once complete: a process killed mid-save leaves no
-    partial checkpoint that :func:`restore_checkpoint` would pick up.
+    partial checkpoint that :func:`restore_checkpoint` would pick up. Process 0 then
+    writes ``lsgd_jax_files.json`` into the step folder, the size of each of its files,
+    by which a later truncation is found without reading the arrays. The manifest records
+    the static configuration of the post-local SGD states, compared at restore.
 
     Args:
       directory: the folder holding one subfolder per step (created if missing).
@@ -321,6 +444,10 @@ def save_checkpoint(
 
     Returns:
       The path of the new checkpoint folder.
+
+    Raises:
+      ValueError: ``step`` is not a non-negative int.
+      TypeError: a leaf is neither an array nor a Python scalar.
 
     Example:
       >>> import tempfile, jax.numpy as jnp, optax, lsgd_jax
@@ -346,7 +473,7 @@ def save_checkpoint(
         "static": _static_config(tree),
         "skeleton": _skeleton(tree),
     }
-    with _manager(directory, max_to_keep, write=True) as manager:
+    with _manager(directory, max_to_keep) as manager:
         manager.save(
             int(step),
             args=ocp.args.Composite(
@@ -358,20 +485,30 @@ def save_checkpoint(
             force=True,
         )
         manager.wait_until_finished()
-        return os.fspath(manager.directory / str(int(step)))
+        step_dir = os.fspath(manager.directory / str(int(step)))
+    if jax.process_index() == 0:  # the step folder is final: every process wrote its files
+        _write_file_sizes(step_dir)
+    if jax.process_count() > 1:  # no process returns (and may restore) before the list exists
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"lsgd_jax save_checkpoint {int(step)}")
+    return step_dir
 
 
 def latest_checkpoint_step(directory: str | os.PathLike) -> int | None:
-    """The newest complete checkpoint step under ``directory``, or None if there is none.
+    """The newest complete and readable checkpoint step under ``directory``, or None.
 
-    A directory listing, not a collective: any process may call it alone. Folders of
-    saves that did not complete (a process killed mid-save) are not counted.
+    A directory listing plus small reads, not a collective: any process may call it
+    alone. Folders of saves that did not complete (a process killed mid-save) are not
+    counted; a step whose files were damaged afterwards (truncated, missing, or JSON that
+    does not parse: see :func:`restore_checkpoint`) is skipped with a warning that names
+    the file, and the next older one is considered. The arrays are not read.
 
     Args:
       directory: the folder given to :func:`save_checkpoint`.
 
     Returns:
-      The largest saved step, or None.
+      The largest saved step that passes the check, or None.
 
     Example:
       >>> import tempfile, lsgd_jax
@@ -379,8 +516,12 @@ def latest_checkpoint_step(directory: str | os.PathLike) -> int | None:
       ...     print(lsgd_jax.latest_checkpoint_step(empty))
       None
     """
-    steps = _steps(directory)
-    return max(steps) if steps else None
+    for step in reversed(_steps(directory)):
+        damage = _damage(_step_dir(directory, step))
+        if damage is None:
+            return step
+        warnings.warn(_skipped("latest_checkpoint_step", step, *damage), stacklevel=2)
+    return None
 
 
 def _steps(directory: str | os.PathLike) -> list[int]:
@@ -429,6 +570,11 @@ def restore_checkpoint(
     2 -> 3``; ``strict=True`` raises instead. Functions (e.g. an optax outer optimizer)
     compare by name and the simple values they close over, never by memory address.
 
+    A step whose files were damaged after the save (truncated, missing, JSON that does
+    not parse) is skipped with a warning naming the file, and the next older step is
+    restored; so is a step whose arrays then fail to read. A damaged ``step`` asked for
+    explicitly raises :class:`UnreadableCheckpointError`. Nothing is ever deleted.
+
     With several processes every process must call this. Afterwards
     :func:`assert_replicas_in_sync` checks that every replica and process restored the
     same step counters (unless ``check_in_sync=False``), so that a process that restored
@@ -438,7 +584,8 @@ def restore_checkpoint(
       directory: the folder given to :func:`save_checkpoint`.
       target: a pytree like the saved one (arrays, ShapeDtypeStructs with shardings,
         or Python scalars).
-      step: the step to restore; None: the latest (see :func:`latest_checkpoint_step`).
+      step: the step to restore; None: the newest readable one (see
+        :func:`latest_checkpoint_step`).
       check_in_sync: run :func:`assert_replicas_in_sync` on the result.
       strict: raise instead of warning when names or static metadata differ.
 
@@ -447,6 +594,8 @@ def restore_checkpoint(
 
     Raises:
       FileNotFoundError: no checkpoint (or not ``step``) under ``directory``.
+      UnreadableCheckpointError: ``step`` (or, with ``step=None``, every saved step) has
+        damaged files; a subclass of ValueError.
       ValueError: the saved leaves do not match ``target``'s paths, shapes or dtypes;
         or, with ``strict=True``, its names or static metadata.
       ReplicasOutOfSyncError: the restored step counters differ between replicas or
@@ -468,42 +617,99 @@ def restore_checkpoint(
     """
     ocp = _ocp()
     paths, leaves, treedef = _flatten(target)
+    abstract = [_abstract(p, x) for p, x in zip(paths, leaves)]
     steps = _steps(directory)
     if step is None and not steps:
         raise FileNotFoundError(f"restore_checkpoint: no complete checkpoint under {directory!r}.")
-    if step is None:
-        step = steps[-1]
-    elif step not in steps:
+    if step is not None and step not in steps:
         raise FileNotFoundError(
             f"restore_checkpoint: no checkpoint of step {step} under {directory!r}; "
             f"saved steps: {steps}."
         )
-    with _manager(directory, write=False) as manager:
-        manifest = manager.restore(
-            step, args=ocp.args.Composite(**{_MANIFEST: ocp.args.JsonRestore()})
-        )[_MANIFEST]
-        abstract = [_abstract(p, x) for p, x in zip(paths, leaves)]
-        _check_manifest(manifest, paths, abstract, step)
-        lines = _differences(manifest, paths, str(treedef), target)
-        if lines and strict:
-            raise ValueError(_mismatch(step, lines, strict=True))
-        restored = manager.restore(
-            step,
-            args=ocp.args.Composite(
-                **{
-                    _ARRAYS: ocp.args.StandardRestore(
-                        dict(zip(_leaf_names(len(abstract)), abstract))
-                    )
-                }
-            ),
-        )[_ARRAYS]
+    skipped: list[tuple[int, _Damaged]] = []
+    # A Checkpointer reads one step folder; a CheckpointManager would first read the
+    # metadata of every step, and log an error for each damaged one.
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as reader:
+        for candidate in [step] if step is not None else steps[::-1]:
+            try:
+                restored, lines = _restore_step(
+                    reader, directory, candidate, paths, abstract, str(treedef), target, strict
+                )
+                break
+            except _Damaged as d:
+                if step is not None:
+                    others = _readable(directory, [s for s in steps if s != step])
+                    raise UnreadableCheckpointError(
+                        f"restore_checkpoint: checkpoint {step} under {directory!r} is "
+                        f"unreadable: {d.path} {d.reason}. Files damaged after the save (a "
+                        "full disk, an interrupted copy) do this; nothing was changed. Restore "
+                        f"another step (readable: {others or 'none'}; step=None takes the "
+                        "newest readable one), or put back an intact copy of the folder.",
+                        step,
+                        d.path,
+                        d.reason,
+                    ) from d.__cause__
+                warnings.warn(_skipped("restore_checkpoint", candidate, *d.args), stacklevel=2)
+                skipped.append((candidate, d))
+        else:
+            raise UnreadableCheckpointError(
+                f"restore_checkpoint: no readable checkpoint under {directory!r}: "
+                + "; ".join(f"step {s}: {d.path} {d.reason}" for s, d in skipped)
+                + ". Put back an intact copy of a step folder, or start afresh.",
+                None,
+                *skipped[0][1].args,
+            ) from skipped[0][1].__cause__
     if lines:
-        warnings.warn(_mismatch(step, lines, strict=False), stacklevel=2)
+        warnings.warn(_mismatch(candidate, lines, strict=False), stacklevel=2)
     names = _leaf_names(len(abstract))
     tree = jax.tree_util.tree_unflatten(treedef, [restored[n] for n in names])
     if check_in_sync:
         assert_replicas_in_sync(tree)
     return tree
+
+
+def _restore_step(
+    reader: Any,
+    directory: str | os.PathLike,
+    step: int,
+    paths: list[str],
+    abstract: list[Any],
+    treedef: str,
+    target: Any,
+    strict: bool,
+) -> tuple[dict[str, Any], list[str]]:
+    """The arrays of ``step`` and the differences to report; raises _Damaged if unreadable."""
+    ocp = _ocp()
+    step_dir = _step_dir(directory, step)
+    damage = _damage(step_dir)
+    if damage is not None:
+        raise _Damaged(*damage)
+    try:
+        manifest = reader.restore(
+            step_dir, args=ocp.args.Composite(**{_MANIFEST: ocp.args.JsonRestore()})
+        )[_MANIFEST]
+    except Exception as e:
+        raise _Damaged(
+            os.path.join(step_dir, _MANIFEST), f"failed to read ({type(e).__name__}: {e})"
+        ) from e
+    _check_manifest(manifest, paths, abstract, step)
+    lines = _differences(manifest, paths, treedef, target)
+    if lines and strict:
+        raise ValueError(_mismatch(step, lines, strict=True))
+    names = _leaf_names(len(abstract))
+    try:
+        restored = reader.restore(
+            step_dir,
+            args=ocp.args.Composite(
+                **{_ARRAYS: ocp.args.StandardRestore(dict(zip(names, abstract)))}
+            ),
+        )[_ARRAYS]
+    except Exception as e:
+        message = str(e) if len(str(e)) <= 300 else str(e)[:300] + "…"
+        raise _Damaged(
+            os.path.join(step_dir, _ARRAYS), f"failed to read ({type(e).__name__}: {message})"
+        ) from e
+    return restored, lines
 
 
 def _mismatch(step: int, lines: list[str], *, strict: bool) -> str:
