@@ -24,6 +24,12 @@ from lsgd_jax._checkpoint import UnreadableCheckpointError
 
 OURS = ("restore_checkpoint", "latest_checkpoint_step", "save_checkpoint")
 
+# After a failed array read, tensorstore may report to orbax's already closed event loop,
+# from another thread, during whichever test runs then: noise from orbax, not ours.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:(?s).*Event loop is closed:pytest.PytestUnraisableExceptionWarning"
+)
+
 
 def ours(record):
     """The messages of the warnings that lsgd_jax's checkpoint functions gave."""
