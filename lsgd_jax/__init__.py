@@ -32,6 +32,7 @@ from lsgd_jax._step import data_parallel_step
 from lsgd_jax._checkpoint import latest_checkpoint_step
 from lsgd_jax._checkpoint import restore_checkpoint
 from lsgd_jax._checkpoint import save_checkpoint
+from lsgd_jax._checkpoint_files import UnreadableCheckpointError
 from lsgd_jax._sync import ReplicasOutOfSyncError
 from lsgd_jax._sync import assert_replicas_in_sync
 from lsgd_jax._sync import step_counters
@@ -50,6 +51,7 @@ __all__ = [
     "PostLocalSGDOptimizerState",
     "PostLocalSGDState",
     "ReplicasOutOfSyncError",
+    "UnreadableCheckpointError",
     "assert_replicas_in_sync",
     "averager_states",
     "check_configuration",

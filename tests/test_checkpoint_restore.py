@@ -20,7 +20,6 @@ from helpers import mesh_2x4
 from mp_worker import CFG, init_params
 
 import lsgd_jax
-from lsgd_jax._checkpoint import UnreadableCheckpointError
 
 OURS = ("restore_checkpoint", "latest_checkpoint_step", "save_checkpoint")
 
@@ -165,13 +164,34 @@ def test_a_truncated_newest_step_is_skipped_with_a_warning(how, tmp_path):
     assert "bytes" in warned[0] or "JSON" in warned[0]  # and what is wrong with it
     assert_values_equal(restored, older)
 
-    with pytest.raises(UnreadableCheckpointError) as err:
+    with pytest.raises(lsgd_jax.UnreadableCheckpointError) as err:
         lsgd_jax.restore_checkpoint(tmp_path, state_for(tx, mesh), step=4)
     msg = str(err.value)
     assert "checkpoint 4" in msg and err.value.path in msg and "readable: [2]" in msg
     assert err.value.step == 4 and err.value.path.startswith(str(tmp_path / "4"))
     assert isinstance(err.value, ValueError)
     assert listing(tmp_path) == before  # nothing deleted, nothing rewritten
+
+
+def test_saving_a_skipped_step_again_sets_the_damaged_folder_aside(tmp_path):
+    # Resumed from step 2 past a damaged step 4, training reaches step 4 again and saves
+    # it: the damaged folder used to block that save (orbax's StepAlreadyExistsError).
+    mesh = mesh_2x4()
+    tx = averaging_tx()
+    lsgd_jax.save_checkpoint(tmp_path, 2, state_for(tx, mesh, scale=2.0))
+    lsgd_jax.save_checkpoint(tmp_path, 4, state_for(tx, mesh, scale=3.0))
+    damage(tmp_path / "4", "half")
+    damaged = listing(tmp_path / "4")
+    newer = state_for(tx, mesh, scale=5.0)
+    with pytest.warns(UserWarning, match=r"checkpoint 4 exists but is unreadable.*4.unreadable"):
+        lsgd_jax.save_checkpoint(tmp_path, 4, newer)
+    assert listing(tmp_path / "4.unreadable") == damaged  # kept as it was
+    assert lsgd_jax.latest_checkpoint_step(tmp_path) == 4
+    restored, warned = restore_recording(tmp_path, state_for(tx, mesh))
+    assert warned == []
+    assert_values_equal(restored, newer)
+    with pytest.raises(ValueError, match="step 4 already exists"):  # an intact step stays put
+        lsgd_jax.save_checkpoint(tmp_path, 4, newer)
 
 
 def test_every_step_damaged_raises_one_error_that_lists_them(tmp_path):
@@ -187,7 +207,9 @@ def test_every_step_damaged_raises_one_error_that_lists_them(tmp_path):
         "latest_checkpoint_step: skipping checkpoint 1, ",
     ]
     with pytest.warns(UserWarning, match="skipping checkpoint"):
-        with pytest.raises(UnreadableCheckpointError, match=r"no readable checkpoint.*step 2: "):
+        with pytest.raises(
+            lsgd_jax.UnreadableCheckpointError, match=r"no readable checkpoint.*step 2: "
+        ):
             lsgd_jax.restore_checkpoint(tmp_path, state_for(averaging_tx(), mesh))
 
 
@@ -226,7 +248,9 @@ def test_arrays_that_fail_to_read_fall_back_to_the_older_step(tmp_path):
     assert len(warned) == 1 and "skipping checkpoint 4" in warned[0], warned
     assert "arrays failed to read" in warned[0]
     assert_values_equal(restored, older)
-    with pytest.raises(UnreadableCheckpointError, match="checkpoint 4 .*arrays failed to read"):
+    with pytest.raises(
+        lsgd_jax.UnreadableCheckpointError, match="checkpoint 4 .*arrays failed to read"
+    ):
         lsgd_jax.restore_checkpoint(tmp_path, state_for(averaging_tx(), mesh), step=4)
 
 
