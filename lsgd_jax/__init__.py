@@ -26,6 +26,8 @@ from lsgd_jax._report import CommunicationReport
 from lsgd_jax._report import communication_report
 from lsgd_jax._state import PostLocalSGDState
 from lsgd_jax._pairing import check_configuration
+from lsgd_jax._phase import num_phases
+from lsgd_jax._phase import phase_index
 from lsgd_jax._step import DataParallelStep
 from lsgd_jax._step import averager_states
 from lsgd_jax._step import data_parallel_step
@@ -63,6 +65,8 @@ __all__ = [
     "make_mesh",
     "model_averaging",
     "node_groups",
+    "num_phases",
+    "phase_index",
     "post_localSGD_hook",
     "post_local_sgd",
     "post_local_sgd_optimizer",

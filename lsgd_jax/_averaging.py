@@ -23,7 +23,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from lsgd_jax import _collectives, _phase
+from lsgd_jax import _collectives
 from lsgd_jax._collectives import Group, GroupSpec
 from lsgd_jax._state import check_nonnegative_int, logger
 
@@ -109,7 +109,7 @@ def _log_nonfinite(policy: str, step: Any, replica: Any, excluded: Any) -> None:
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["step", "anchor", "outer_state", "outer_count", "last_sync"],
-    meta_fields=["averager"],
+    meta_fields=["averager", "pinned_phase"],
 )
 @dataclasses.dataclass(frozen=True, eq=False)
 class ModelAveragerState:
@@ -131,6 +131,9 @@ class ModelAveragerState:
       outer_state: the outer optimizer's state.
       outer_count: int32 scalar, the global averages so far (``outer_optimizer``).
       last_sync: int32 scalar, the step of the last average (a callable ``period``).
+      pinned_phase: None, or (static) the level this call takes whatever the counters
+        say: set by whoever specializes a step per phase (see :func:`phase_index`), in
+        the static metadata so that every trace cache keys on it.
 
     Example:
       >>> import lsgd_jax
@@ -145,6 +148,26 @@ class ModelAveragerState:
     outer_state: Any = None
     outer_count: Any = None
     last_sync: Any = None
+    pinned_phase: int | None = None
+
+    @property
+    def num_phases(self) -> int:
+        """How many branches the averager has: one per level, plus "no average"."""
+        return 1 if self.averager is None else self.averager.num_levels + 1
+
+    @property
+    def phase(self) -> jax.Array:
+        """This state's phase: the level of this call (0: no average), an int32 scalar
+        derived from the counters alone (the same on every replica).
+
+        Example:
+          >>> import lsgd_jax
+          >>> int(lsgd_jax.PeriodicModelAverager(4, warmup_steps=1).init().phase)
+          0
+        """
+        if self.averager is None:
+            return jnp.zeros([], jnp.int32)
+        return self.averager._level(self)
 
     def replace(self, **changes: Any) -> ModelAveragerState:
         """Returns a copy with the given fields replaced.
@@ -556,13 +579,12 @@ class _Averager:
         return self._dispatch("model_state_averaging", state, branches, tree)
 
     def _dispatch(self, scope: str, state: ModelAveragerState, branches: list, *operands):
-        """Runs the branch of this step's level: pinned while ``data_parallel_step``
-        traces one phase, else one ``lax.cond`` / ``lax.switch`` on the counters."""
+        """Runs the branch of this step's level: the pinned one when a step specialized
+        per phase pinned it (static), else one ``lax.cond`` / ``lax.switch``."""
         with jax.named_scope(scope):  # names the collectives in the HLO
-            pinned = _phase.branch(_phase.averager_key(self))
-            if pinned is not None:
-                return branches[pinned](*operands)
-            level = self._level(state)
+            if state.pinned_phase is not None:
+                return branches[state.pinned_phase](*operands)
+            level = state.phase
             if len(branches) == 2:
                 return lax.cond(level > 0, branches[1], branches[0], *operands)
             return lax.switch(level, branches, *operands)

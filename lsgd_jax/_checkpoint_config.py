@@ -130,7 +130,9 @@ def _is_static_node(x: Any) -> bool:
 
 
 _AVERAGER_DATA = tuple(
-    f.name for f in dataclasses.fields(ModelAveragerState) if f.name != "averager"
+    f.name
+    for f in dataclasses.fields(ModelAveragerState)
+    if f.name not in ("averager", "pinned_phase")
 )
 
 

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import collections
-import itertools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
@@ -19,7 +17,6 @@ from jax.sharding import PartitionSpec as P
 from lsgd_jax import _collectives, _pairing, _phase
 from lsgd_jax._averaging import ModelAveragerState
 from lsgd_jax._mesh import _num_replicas, data_axes
-from lsgd_jax._state import PostLocalSGDState
 from lsgd_jax._sync import assert_replicas_in_sync
 
 
@@ -71,46 +68,36 @@ def _average_like_params(model_state: Any, opt_state: Any, new_opt_state: Any) -
 MAX_PHASES = 16
 
 
-def _phases(opt_state: Any) -> list[tuple[Any, int, jax.Array]] | None:
-    """``(pin key, number of branches, branch index)`` of every hook and averager."""
-    is_node = lambda x: isinstance(x, (ModelAveragerState, PostLocalSGDState))  # noqa: E731
-    phases = []
-    for node in jax.tree.leaves(opt_state, is_leaf=is_node):
-        if isinstance(node, PostLocalSGDState):
-            if node.start_localSGD_iter == 0:
-                continue  # static: always node-local
-            index = (node.iter < node.start_localSGD_iter).astype(jnp.int32)
-            phases.append((_phase.hook_key(node), 2, index))
-        elif isinstance(node, ModelAveragerState) and node.averager is not None:
-            averager = node.averager
-            levels = averager.num_levels
-            phases.append((_phase.averager_key(averager), levels + 1, averager._level(node)))
-    keys = [k for k, _, _ in phases]
-    if not phases or len(set(keys)) != len(keys):
-        return None  # nothing to pin, or two states share a configuration
-    if int(np.prod([n for _, n, _ in phases])) > MAX_PHASES:
-        return None
-    return phases
+def _update(tx: Any, with_model_state: bool, operands: tuple) -> tuple:
+    """The optimizer's update and its application: the part that depends on the phase."""
+    params, model_state, opt_state, grads = operands
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    if with_model_state:
+        model_state = _average_like_params(model_state, opt_state, new_opt_state)
+    return params, model_state, new_opt_state
 
 
-def _switch_over_phases(phases, core, operands, axes: frozenset) -> Any:
-    """One lax.switch over every combination of pinned branches; each traced alone."""
-    sizes = [n for _, n, _ in phases]
-    index = jnp.zeros([], jnp.int32)
-    for _, n, i in phases:
-        index = index * n + i
-    combos = list(itertools.product(*[range(n) for n in sizes]))
+def _update_per_phase(tx: Any, with_model_state: bool, operands: tuple, axes: frozenset):
+    """One ``lax.switch`` over the phases, each branch the update with the states pinned.
 
-    def make(combo):
-        def branch(*ops):
-            with _phase.pinned({k: b for (k, _, _), b in zip(phases, combo)}):
-                out = core(*ops)
+    The gradients come in computed (once, outside the switch): only the update, the
+    collectives and their application are traced per phase.
+    """
+    opt_state = operands[2]
+
+    def branch(k):
+        def run(params, model_state, opt_state, grads):
+            pinned = (params, model_state, _phase.pin(opt_state, k), grads)
+            params, model_state, new_opt_state = _update(tx, with_model_state, pinned)
+            out = (params, model_state, _phase.unpin(new_opt_state))
             # every branch returns per-replica values: type them all alike
             return jax.tree.map(lambda x: _collectives.cast_varying(x, axes), out)
 
-        return branch
+        return run
 
-    return lax.switch(index, [make(c) for c in combos], *operands)
+    n = _phase.num_phases(opt_state)
+    return lax.switch(_phase.phase_index(opt_state), [branch(k) for k in range(n)], *operands)
 
 
 def _check_optimizer(opt_state: Any) -> None:
@@ -265,16 +252,17 @@ def data_parallel_step(
         waits for the loss of the step that many calls back). Unbounded async dispatch
         can deadlock XLA's in-process CPU collectives: seen with 8 simulated devices on
         2 cores after about 150 queued steps (jax 0.10.2). None: no limit.
-      specialize: trace the whole step once per phase (global or node-local gradient
-        mean, times each averaging level) under ONE ``lax.switch`` on the step counters,
-        instead of a ``lax.cond`` per transform: each branch is then straight-line code
-        that XLA fuses like a hand-written step (the conds cost 12-30% of a 10M-parameter
-        step on CPU; see benchmarks/overhead.py). The math is the same; compilation
-        takes one trace per phase (at most 16, else it falls back to the conds). The
-        branch index is the mixed-radix number of the phases of the hooks and averagers
-        in the order they appear in ``opt_state``: a hook's phase is 1 before the switch
-        (global mean), 0 after; an averager's is its level (0: no average). A collective's
-        ``branch`` in :func:`communication_report` is this index.
+      specialize: compute the gradients once, then run the update (the hook's
+        collective, the optimizer, the averager's collective, applying the updates)
+        under ONE ``lax.switch`` over the phases (global or node-local gradient mean,
+        times each averaging level), each branch traced with every state pinned to its
+        phase (:func:`phase_index`), instead of a ``lax.cond`` per transform: each
+        branch is then straight-line code that XLA fuses like a hand-written step (the
+        conds cost 12-30% of a 10M-parameter step on CPU; see benchmarks/overhead.py).
+        The math is the same; the pin is static metadata of the states, so a
+        ``jax.jit`` or ``jax.checkpoint`` around ``tx.update`` traces each phase
+        apart. At most ``MAX_PHASES`` (16) phases, else it falls back to the conds. A
+        collective's ``branch`` in :func:`communication_report` is the phase index.
       check_in_sync_every: on the first call and then every this many calls, run
         :func:`assert_replicas_in_sync` on the incoming optimizer state, so that replicas
         or processes whose step counters differ fail with an error instead of hanging
@@ -325,7 +313,7 @@ def data_parallel_step(
     rep = P(axes)
     value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux or with_model_state)
 
-    def core(params, model_state, opt_state, batch):
+    def gradients(params, model_state, batch):
         aux = None
         if with_model_state:
             (loss, out), grads = value_and_grad(params, model_state, batch)
@@ -334,28 +322,23 @@ def data_parallel_step(
             (loss, aux), grads = value_and_grad(params, batch)
         else:
             loss, grads = value_and_grad(params, batch)
-        if not _pairing.has_hook(opt_state):  # no post_local_sgd: DDP
-            with jax.named_scope("ddp"):
-                grads = _collectives.mean(grads, axes)
-        updates, new_opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        if with_model_state:
-            model_state = _average_like_params(model_state, opt_state, new_opt_state)
-        return params, model_state, new_opt_state, loss, aux
+        return loss, aux, grads, model_state
 
     def body(params, model_state, opt_state, batch):
         params, model_state, opt_state = jax.tree.map(
             lambda x: x[0], (params, model_state, opt_state)
         )
         _check_optimizer(opt_state)
-        operands = (params, model_state, opt_state, batch)
-        phases = _phases(opt_state) if specialize else None
-        if phases:
-            out = _switch_over_phases(phases, core, operands, frozenset(axes))
+        loss, aux, grads, model_state = gradients(params, model_state, batch)
+        if not _pairing.has_hook(opt_state):  # no post_local_sgd: DDP
+            with jax.named_scope("ddp"):
+                grads = _collectives.mean(grads, axes)
+        operands = (params, model_state, opt_state, grads)
+        if specialize and 1 < _phase.num_phases(opt_state) <= MAX_PHASES:
+            out = _update_per_phase(tx, with_model_state, operands, frozenset(axes))
         else:
-            out = core(*operands)
-        params, model_state, new_opt_state, loss, aux = out
-        out = jax.tree.map(lambda x: x[None], (params, model_state, new_opt_state))
+            out = _update(tx, with_model_state, operands)
+        out = jax.tree.map(lambda x: x[None], out)
         with jax.named_scope("metrics"):
             loss, aux = lax.pmean(loss, axes), _metrics_mean(aux, axes)
         return (*out, loss, aux)
