@@ -243,7 +243,7 @@ def lowered_schedule(
         lsgd_jax.replicate(tx.init(params), mesh),
         next(digits_cnn.batches(data, global_batch, seed)),
     )
-    report = lsgd_jax.communication_report(step.jitted, *args, platform="cuda")
+    report = step.communication_report(*args, platform="cuda")
     return digits_cnn.schedule_of(args[2], report, args[0]), report
 
 

@@ -35,11 +35,10 @@ def compiled_report(tx, mesh, params, platform=None):
     n = mesh.devices.size
     args = (
         lsgd_jax.replicate(params, mesh),
-        None,
         lsgd_jax.replicate(tx.init(params), mesh),
         jnp.ones((n,)),
     )
-    report = lsgd_jax.communication_report(step.jitted, *args, platform=platform)
+    report = step.communication_report(*args, platform=platform)
     return [c for c in report if c.bytes > 4]  # drop the 4-byte mean of the loss
 
 

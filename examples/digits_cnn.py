@@ -313,7 +313,7 @@ def train(
     opt_state = lsgd_jax.replicate(tx.init(params0), mesh)
     data_iter = batches(data, global_batch, seed)
     first = next(batches(data, global_batch, seed))
-    report = lsgd_jax.communication_report(step.jitted, params, batch_stats, opt_state, first)
+    report = step.communication_report(params, batch_stats, opt_state, first)
     schedule = schedule_of(opt_state, report, params)
 
     def test_metrics():

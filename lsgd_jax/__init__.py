@@ -25,11 +25,16 @@ from lsgd_jax._report import Collective
 from lsgd_jax._report import CommunicationReport
 from lsgd_jax._report import communication_report
 from lsgd_jax._state import PostLocalSGDState
+from lsgd_jax._pairing import check_configuration
+from lsgd_jax._phase import num_phases
+from lsgd_jax._phase import phase_index
+from lsgd_jax._step import DataParallelStep
 from lsgd_jax._step import averager_states
 from lsgd_jax._step import data_parallel_step
 from lsgd_jax._checkpoint import latest_checkpoint_step
 from lsgd_jax._checkpoint import restore_checkpoint
 from lsgd_jax._checkpoint import save_checkpoint
+from lsgd_jax._checkpoint_files import UnreadableCheckpointError
 from lsgd_jax._sync import ReplicasOutOfSyncError
 from lsgd_jax._sync import assert_replicas_in_sync
 from lsgd_jax._sync import step_counters
@@ -39,6 +44,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AxisNotBoundError",
     "Collective",
+    "DataParallelStep",
     "CommunicationReport",
     "HierarchicalModelAverager",
     "IndexGroups",
@@ -47,8 +53,10 @@ __all__ = [
     "PostLocalSGDOptimizerState",
     "PostLocalSGDState",
     "ReplicasOutOfSyncError",
+    "UnreadableCheckpointError",
     "assert_replicas_in_sync",
     "averager_states",
+    "check_configuration",
     "communication_report",
     "consensus",
     "data_axes",
@@ -57,6 +65,8 @@ __all__ = [
     "make_mesh",
     "model_averaging",
     "node_groups",
+    "num_phases",
+    "phase_index",
     "post_localSGD_hook",
     "post_local_sgd",
     "post_local_sgd_optimizer",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Union
@@ -22,7 +23,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from lsgd_jax import _collectives, _phase
+from lsgd_jax import _collectives
 from lsgd_jax._collectives import Group, GroupSpec
 from lsgd_jax._state import check_nonnegative_int, logger
 
@@ -42,7 +43,10 @@ _OPTIONS_DOC = """
         replica whose update is non-finite is healed, one whose params already are
         keeps its NaN elements, since ``apply_updates`` adds to them, but cannot spread
         them) or ``"skip"`` (a group with a non-finite replica does not average this
-        time). Both log a warning naming the replica and step through the
+        time). A skipped average (``"skip"`` with a non-finite replica, ``"exclude"``
+        with no finite one) changes nothing but the step: the params keep their local
+        values, and the anchor, the outer optimizer's state and its count stay as they
+        were. Both log a warning naming the replica and step through the
         ``"lsgd_jax"`` logger (a host callback, compiled in while that logger is enabled
         for WARNING at trace time); still one collective per average.
       outer_optimizer: an optax transformation applied, at each global average, to the
@@ -50,7 +54,8 @@ _OPTIONS_DOC = """
         previous global average; the new params are ``anchor + updates`` (SlowMo, Wang
         et al., ICLR 2020; DiLoCo, Douillard et al., 2023: ``optax.sgd(0.7,
         momentum=0.9, nesterov=True)``). ``optax.sgd(1.0)`` is plain averaging, exactly.
-        Its state and the anchor live in the averager's state: ``init(params)``.
+        Its state and the anchor live in the averager's state: ``init(params)``. Only
+        floating leaves take the outer step; integer leaves keep their own values.
       outer_skip_first: the first global average is a plain average that sets the
         anchor, and the outer optimizer acts from the second one on (default). Otherwise
         the anchor is the params given to ``init``, and the first outer step, at the
@@ -104,7 +109,7 @@ def _log_nonfinite(policy: str, step: Any, replica: Any, excluded: Any) -> None:
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["step", "anchor", "outer_state", "outer_count", "last_sync"],
-    meta_fields=["averager"],
+    meta_fields=["averager", "pinned_phase"],
 )
 @dataclasses.dataclass(frozen=True, eq=False)
 class ModelAveragerState:
@@ -117,12 +122,18 @@ class ModelAveragerState:
 
     Attributes:
       step: int32 scalar, the number of ``average_parameters`` calls so far (PyTorch's
-        ``averager.step``). It saturates at the int32 maximum instead of wrapping.
+        ``averager.step``). At the int32 maximum it continues from an earlier step at the
+        same place in the schedule (whole cycles back, see ``averager.cycle``), so the
+        averages stay on schedule; a schedule without a cycle (a callable period) raises
+        OverflowError there instead.
       averager: the PeriodicModelAverager or HierarchicalModelAverager that owns it.
       anchor: the params at the last global average (``outer_optimizer``, ``delta``).
       outer_state: the outer optimizer's state.
       outer_count: int32 scalar, the global averages so far (``outer_optimizer``).
       last_sync: int32 scalar, the step of the last average (a callable ``period``).
+      pinned_phase: None, or (static) the level this call takes whatever the counters
+        say: set by whoever specializes a step per phase (see :func:`phase_index`), in
+        the static metadata so that every trace cache keys on it.
 
     Example:
       >>> import lsgd_jax
@@ -137,6 +148,26 @@ class ModelAveragerState:
     outer_state: Any = None
     outer_count: Any = None
     last_sync: Any = None
+    pinned_phase: int | None = None
+
+    @property
+    def num_phases(self) -> int:
+        """How many branches the averager has: one per level, plus "no average"."""
+        return 1 if self.averager is None else self.averager.num_levels + 1
+
+    @property
+    def phase(self) -> jax.Array:
+        """This state's phase: the level of this call (0: no average), an int32 scalar
+        derived from the counters alone (the same on every replica).
+
+        Example:
+          >>> import lsgd_jax
+          >>> int(lsgd_jax.PeriodicModelAverager(4, warmup_steps=1).init().phase)
+          0
+        """
+        if self.averager is None:
+            return jnp.zeros([], jnp.int32)
+        return self.averager._level(self)
 
     def replace(self, **changes: Any) -> ModelAveragerState:
         """Returns a copy with the given fields replaced.
@@ -181,6 +212,36 @@ def _cast_like(tree: Any, like: Any) -> Any:
         lambda x, y: _collectives.cast_varying(jnp.asarray(x).astype(y.dtype), _collectives.vma(y)),
         tree,
         like,
+    )
+
+
+def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
+    """``jnp.where(pred, a, b)`` leaf by leaf, for a scalar ``pred``."""
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def _delta_of(values: Any, anchor: Any) -> Any:
+    """``values - anchor`` on the floating leaves (integer leaves pass)."""
+    return jax.tree.map(lambda v, a: v - a if _collectives.is_averaged(v) else v, values, anchor)
+
+
+def _undelta(anchor: Any, mean: Any, values: Any) -> Any:
+    """``anchor + mean`` on the floating leaves; integer leaves keep ``values``."""
+    return jax.tree.map(
+        lambda a, m, v: a + m if _collectives.is_averaged(v) else v, anchor, mean, values
+    )
+
+
+INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def _counter_overflow(name: str, step: Any) -> None:
+    raise OverflowError(
+        f"{name}: the averager's step counter reached the int32 maximum ({int(step)} calls) "
+        "and its schedule (a callable period, or periods whose cycle is longer than the "
+        "counter's range) cannot be followed past it. Restore from a checkpoint with the "
+        "state's step (and last_sync) moved back by the same amount, e.g. state.replace("
+        "step=state.step - k, last_sync=state.last_sync - k)."
     )
 
 
@@ -335,33 +396,106 @@ class _Averager:
         """
         return np.array([self.level(s) for s in range(num_steps)], np.int32)
 
+    @property
+    def cycle(self) -> int | None:
+        """The length of the schedule's cycle after the warm-up (None: no cycle).
+
+        The level at step ``s >= warmup_steps`` equals the level at ``s + cycle``: the
+        period (periodic), the least common multiple of the periods (hierarchical), or
+        None for a callable period.
+
+        Example:
+          >>> import lsgd_jax
+          >>> lsgd_jax.HierarchicalModelAverager({4: "local", 6: ("node", "local")}).cycle
+          12
+        """
+        raise NotImplementedError
+
+    def _advance(self, state: ModelAveragerState) -> ModelAveragerState:
+        """The state after one more call: ``step + 1``, kept inside int32.
+
+        At the int32 maximum the count continues from an earlier step with the same
+        place in the schedule (a whole number of cycles back, never below the warm-up),
+        so the averages stay on schedule forever. A schedule without such a cycle raises
+        OverflowError at that call instead of drifting silently.
+        """
+        step, cycle, warmup = state.step, self.cycle, self.warmup_steps
+        span = INT32_MAX + 1 - warmup
+        if cycle is not None and cycle <= span:
+            wrapped = INT32_MAX + 1 - cycle * (span // cycle)
+            nxt = jnp.where(step == INT32_MAX, jnp.int32(wrapped), step + (step < INT32_MAX))
+            return state.replace(step=nxt.astype(jnp.int32))
+        at_max = step == INT32_MAX
+        name = type(self).__name__
+        lax.cond(
+            at_max,
+            lambda: jax.debug.callback(functools.partial(_counter_overflow, name), step),
+            lambda: None,
+        )
+        return state.replace(step=optax.safe_increment(step))
+
     # -- averaging --------------------------------------------------------------------
 
-    def _mean(self, tree: Any, group: Group, step: jax.Array, cast: bool = True) -> Any:
-        """The group mean of ``tree`` under this averager's dtype and non-finite policy."""
+    def _mean(
+        self, tree: Any, group: Group, step: jax.Array, cast: bool = True
+    ) -> tuple[Any, jax.Array | None]:
+        """The group mean of ``tree`` under this averager's dtype and non-finite policy.
+
+        Returns ``(averaged, skipped)``: ``skipped`` is None when the policy never skips
+        (a static fact), else a bool scalar, the same on every replica of the group, that
+        says this group kept its own values ("skip" with a non-finite replica, "exclude"
+        with no finite one); ``averaged`` is then ``tree`` itself.
+        """
         if self.communication_dtype is not None:
-            return _collectives.compressed_mean(tree, group, self.communication_dtype, cast)
+            return _collectives.compressed_mean(tree, group, self.communication_dtype, cast), None
         if self.nonfinite == "propagate":
-            return _collectives.mean(tree, group, cast)
+            return _collectives.mean(tree, group, cast), None
         averaged, excluded, finite = _collectives.finite_mean(tree, group, cast)
         if self.nonfinite == "skip":
-            averaged = jax.tree.map(
-                lambda a, t: jnp.where(excluded > 0, t, a) if _collectives.is_averaged(t) else t,
-                averaged,
-                tree,
+            skipped = excluded > 0
+        else:
+            skipped = excluded >= _collectives.group_size(group)
+        averaged = _select(skipped, tree, averaged)
+        if logger.isEnabledFor(logging.WARNING):  # else no host callback in the program
+            axes = _collectives.bound_axes()
+            replica = lax.axis_index(axes) if axes else jnp.zeros([], jnp.int32)
+            lax.cond(
+                finite,
+                lambda: None,
+                lambda: jax.debug.callback(
+                    functools.partial(_log_nonfinite, self.nonfinite), step, replica, excluded
+                ),
             )
-        if not logger.isEnabledFor(logging.WARNING):
-            return averaged  # no host callback in the program
-        axes = _collectives.bound_axes()
-        replica = lax.axis_index(axes) if axes else jnp.zeros([], jnp.int32)
-        lax.cond(
-            finite,
-            lambda: None,
-            lambda: jax.debug.callback(
-                functools.partial(_log_nonfinite, self.nonfinite), step, replica, excluded
-            ),
+        return averaged, skipped
+
+    def _outer_step(
+        self, mean_p: Any, anchor: Any, state: ModelAveragerState, skipped: jax.Array | None
+    ) -> tuple[Any, ModelAveragerState]:
+        """The outer optimizer's step from ``anchor`` on the pseudo-gradient to the mean.
+
+        Floating leaves only (integer ones keep ``mean_p``, their own value); a skipped
+        average leaves the outer state and count as they were.
+        """
+        pseudo_grad = jax.tree.map(jnp.subtract, anchor, mean_p)
+        updates, outer_state = self.outer_optimizer.update(pseudo_grad, state.outer_state, anchor)
+        # anchor + updates, written so that sgd(1.0) gives the mean exactly:
+        # updates == -pseudo_grad then, so pseudo_grad + updates == 0.
+        stepped = jax.tree.map(
+            lambda m, g, u: m + (g + u) if _collectives.is_averaged(m) else m,
+            mean_p,
+            pseudo_grad,
+            updates,
         )
-        return averaged
+        outer_state = _cast_like(outer_state, state.outer_state)
+        if self.outer_skip_first:  # the first global average only sets the anchor
+            first = state.outer_count == 0
+            stepped = _select(first, mean_p, stepped)
+            outer_state = _select(first, state.outer_state, outer_state)
+        count = optax.safe_increment(state.outer_count)
+        if skipped is not None:
+            outer_state = _select(skipped, state.outer_state, outer_state)
+            count = jnp.where(skipped, state.outer_count, count)
+        return stepped, state.replace(outer_state=outer_state, outer_count=count)
 
     def _average(
         self, params: Any, extra: Any, state: ModelAveragerState, branch: tuple
@@ -369,42 +503,27 @@ class _Averager:
         """One level's average of ``params`` (and ``extra`` leaves, same collective)."""
         group, fragment, is_global = branch
         anchor = state.anchor
-        if fragment is not None:  # streaming: only this fragment's leaves take part
-            p_in, e_in = fragment.take(params), fragment.take(extra)
-            a_in = fragment.take(anchor) if anchor is not None else None
-        else:
-            p_in, e_in, a_in = params, extra, anchor
-        if self.delta:
-            p_in = jax.tree.map(jnp.subtract, p_in, a_in)
+        cut = fragment.cut(params) if fragment is not None else _WHOLE
+        p_in, e_in = cut.take(params), cut.take_aligned(extra, params)
+        a_in = cut.take(anchor) if anchor is not None else None
+        x = _delta_of(p_in, a_in) if self.delta else p_in
         # Uncast means: a global mean is invariant, so it can become a replicated anchor.
-        mean_p, mean_e = self._mean((p_in, e_in), group, state.step, cast=False)
-        if self.delta:
-            mean_p = jax.tree.map(jnp.add, a_in, mean_p)
+        (mean_x, mean_e), skipped = self._mean((x, e_in), group, state.step, cast=False)
+        new_p = _undelta(a_in, mean_x, p_in) if self.delta else mean_x
         if is_global and self.outer_optimizer is not None:
-            pseudo_grad = jax.tree.map(jnp.subtract, a_in, mean_p)
-            updates, outer_state = self.outer_optimizer.update(pseudo_grad, state.outer_state, a_in)
-            # anchor + updates, written so that sgd(1.0) gives the mean exactly:
-            # updates == -pseudo_grad then, so pseudo_grad + updates == 0.
-            stepped = jax.tree.map(lambda m, g, u: m + (g + u), mean_p, pseudo_grad, updates)
-            if self.outer_skip_first:  # the first global average only sets the anchor
-                first = state.outer_count == 0
-                stepped = jax.tree.map(lambda a, b: jnp.where(first, a, b), mean_p, stepped)
-                outer_state = jax.tree.map(
-                    lambda a, b: jnp.where(first, a, b), state.outer_state, outer_state
-                )
-            mean_p = stepped
-            state = state.replace(
-                outer_state=_cast_like(outer_state, state.outer_state),
-                outer_count=optax.safe_increment(state.outer_count),
-            )
-        if fragment is not None:
-            mean_p, mean_e = fragment.put(params, mean_p), fragment.put(extra, mean_e)
+            new_p, state = self._outer_step(new_p, a_in, state, skipped)
+        if skipped is not None:  # a skipped average changes nothing but the step
+            new_p, mean_e = _select(skipped, p_in, new_p), _select(skipped, e_in, mean_e)
         if is_global and anchor is not None:
-            state = state.replace(anchor=_cast_like(mean_p, anchor))
-        mean_p, mean_e = _cast_like(mean_p, params), _cast_like(mean_e, extra)
-        if self._tracks_last_sync:
+            new_anchor = _cast_like(cut.put(anchor, new_p), anchor)
+            if skipped is not None:
+                new_anchor = _select(skipped, anchor, new_anchor)
+            state = state.replace(anchor=new_anchor)
+        new_p, mean_e = cut.put(params, new_p), cut.put_aligned(extra, params, mean_e)
+        new_p, mean_e = _cast_like(new_p, params), _cast_like(mean_e, extra)
+        if self._tracks_last_sync:  # the schedule's record: skipped or not, all agree
             state = state.replace(last_sync=state.step)
-        return mean_p, mean_e, state
+        return new_p, mean_e, state
 
     def _apply(self, operand: Any, state: ModelAveragerState, prepare, finish, passthrough):
         """The one cond/switch: ``finish(average(prepare(operand)))`` or ``passthrough``.
@@ -454,19 +573,18 @@ class _Averager:
           Array([1.5, 1.5, 1.5, 1.5], dtype=float32)
         """
         branches = [lambda t: t] + [
-            functools.partial(lambda t, g: self._mean(t, g, state.step), g=group)
+            functools.partial(lambda t, g: self._mean(t, g, state.step)[0], g=group)
             for group, _, _ in self._branch_groups()
         ]
         return self._dispatch("model_state_averaging", state, branches, tree)
 
     def _dispatch(self, scope: str, state: ModelAveragerState, branches: list, *operands):
-        """Runs the branch of this step's level: pinned while ``data_parallel_step``
-        traces one phase, else one ``lax.cond`` / ``lax.switch`` on the counters."""
+        """Runs the branch of this step's level: the pinned one when a step specialized
+        per phase pinned it (static), else one ``lax.cond`` / ``lax.switch``."""
         with jax.named_scope(scope):  # names the collectives in the HLO
-            pinned = _phase.branch(_phase.averager_key(self))
-            if pinned is not None:
-                return branches[pinned](*operands)
-            level = self._level(state)
+            if state.pinned_phase is not None:
+                return branches[state.pinned_phase](*operands)
+            level = state.phase
             if len(branches) == 2:
                 return lax.cond(level > 0, branches[1], branches[0], *operands)
             return lax.switch(level, branches, *operands)
@@ -537,23 +655,24 @@ class _Averager:
             finish=lambda op, p, e: (p, e),
             passthrough=lambda op: op,
         )
-        return params, extra, state.replace(step=optax.safe_increment(state.step))
+        return params, extra, self._advance(state)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Fragment:
-    """The k-th of K equal slices of a pytree's floating values, in flattened order.
+    """The k-th of K equal slices of the params' floating values, in flattened order.
 
-    A leaf may be cut between two fragments; ``take`` returns the flat pieces of this
-    fragment, ``put`` writes new values into exactly those positions (static slices,
-    so only this fragment's elements are touched).
+    ``cut(params)`` fixes the slices for one params tree: a leaf may be cut between two
+    fragments.
     """
 
     k: int
     count: int
 
-    def _pieces(self, leaves: list[Any]) -> list[tuple[int, int, int]]:
-        """``(leaf index, lo, hi)``: the raveled leaf's slice that falls in this fragment."""
+    def cut(self, params: Any) -> _Cut:
+        """The ``(leaf index, lo, hi)`` slices of ``params``'s raveled leaves in this
+        fragment, as a :class:`_Cut`."""
+        leaves = jax.tree.leaves(params)
         sizes = [
             (i, int(np.prod(jnp.shape(x))))
             for i, x in enumerate(leaves)
@@ -573,19 +692,80 @@ class _Fragment:
             if lo < hi:
                 pieces.append((i, lo - offset, hi - offset))
             offset += n
-        return pieces
+        return _Cut(tuple(pieces), jax.tree.structure(params), _shapes(params))
+
+
+def _shapes(tree: Any) -> tuple[tuple[int, ...], ...]:
+    return tuple(jnp.shape(x) for x in jax.tree.leaves(tree))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cut:
+    """Static slices of a params-shaped tree: what one fragment averages.
+
+    ``take`` returns the flat pieces, ``put`` writes new values into exactly those
+    positions (static slices: the other elements are untouched). ``take_aligned`` /
+    ``put_aligned`` do the same inside a tree that holds params-shaped parts (an
+    optimizer state's momentum, Adam's moments): those parts are cut like the params,
+    so element i of a moment is averaged on the step its param element i is; any other
+    leaf is taken whole.
+    """
+
+    pieces: tuple[tuple[int, int, int], ...]
+    treedef: Any
+    shapes: tuple[tuple[int, ...], ...]
 
     def take(self, tree: Any) -> list[Any]:
         leaves = jax.tree.leaves(tree)
-        return [jnp.ravel(leaves[i])[lo:hi] for i, lo, hi in self._pieces(leaves)]
+        return [jnp.ravel(leaves[i])[lo:hi] for i, lo, hi in self.pieces]
 
     def put(self, tree: Any, values: list[Any]) -> Any:
         leaves, treedef = jax.tree.flatten(tree)
-        for (i, lo, hi), v in zip(self._pieces(leaves), values):
+        for (i, lo, hi), v in zip(self.pieces, values):
             x = leaves[i]
             flat = jnp.ravel(x).at[lo:hi].set(v.astype(x.dtype))
             leaves[i] = _collectives.cast_varying(flat.reshape(x.shape), _collectives.vma(x))
         return jax.tree.unflatten(treedef, leaves)
+
+    def _shaped(self, node: Any) -> bool:
+        return jax.tree.structure(node) == self.treedef and _shapes(node) == self.shapes
+
+    def take_aligned(self, tree: Any, params: Any) -> Any:
+        del params  # the cut already holds the params' layout
+        if tree is None:
+            return None
+        nodes = jax.tree.leaves(tree, is_leaf=self._shaped)
+        return [self.take(n) if self._shaped(n) else n for n in nodes]
+
+    def put_aligned(self, tree: Any, params: Any, values: Any) -> Any:
+        del params
+        if tree is None:
+            return None
+        nodes, treedef = jax.tree.flatten(tree, is_leaf=self._shaped)
+        new = [self.put(n, v) if self._shaped(n) else v for n, v in zip(nodes, values)]
+        return jax.tree.unflatten(treedef, new)
+
+
+class _Whole:
+    """The cut of an average without fragments: everything, as it is."""
+
+    def take(self, tree: Any) -> Any:
+        return tree
+
+    def put(self, tree: Any, values: Any) -> Any:
+        del tree
+        return values
+
+    def take_aligned(self, tree: Any, params: Any) -> Any:
+        del params
+        return tree
+
+    def put_aligned(self, tree: Any, params: Any, values: Any) -> Any:
+        del tree, params
+        return values
+
+
+_WHOLE = _Whole()
 
 
 def _options() -> dict[str, Any]:
@@ -623,7 +803,12 @@ class PeriodicModelAverager(_Averager):
         and average one slice at a time, round robin, each every ``period`` steps, the
         k-th offset by ``k * period / fragments`` steps: the peak cross-node traffic per
         step drops ``fragments`` times (Streaming DiLoCo, Douillard et al., 2025).
-        ``period`` must be an int divisible by ``fragments``.{options}
+        ``period`` must be an int divisible by ``fragments``. With ``delta`` or an
+        anchor, each fragment's anchor is that fragment at its own last average.
+        Optimizer-state leaves averaged alongside (``post_local_sgd_optimizer``'s
+        ``average_opt_state``) that form a params-shaped part of the state (momentum,
+        Adam's moments) are cut like the params; other leaves, and model state, are
+        averaged whole at every fragment's average.{options}
     Example:
       >>> import lsgd_jax
       >>> avg = lsgd_jax.PeriodicModelAverager(period=4, warmup_steps=2)
@@ -674,6 +859,10 @@ class PeriodicModelAverager(_Averager):
     @property
     def groups(self) -> tuple[Group | None, ...]:
         return (self.process_group,)
+
+    @property
+    def cycle(self) -> int | None:  # type: ignore[override]
+        return None if callable(self.period) else self.period
 
     @property
     def num_levels(self) -> int:  # type: ignore[override]
@@ -846,6 +1035,10 @@ class HierarchicalModelAverager(_Averager):
     @property
     def groups(self) -> tuple[Group | None, ...]:
         return tuple(g for _, g in self.period_group_dict)
+
+    @property
+    def cycle(self) -> int:  # type: ignore[override]
+        return math.lcm(*self.periods)
 
     def level(self, step: Any) -> Any:
         """Which group a call at ``step`` averages: 0 for none, k for the k-th (1-based).

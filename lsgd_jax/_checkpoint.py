@@ -7,6 +7,10 @@ same structure (e.g. ``replicate(tx.init(params), mesh)``): it supplies the stat
 metadata the arrays do not carry (the axis names in ``PostLocalSGDState``, the averager
 in ``ModelAveragerState``) and the shardings to restore onto, so each process reads only
 its own shards.
+
+A damaged newest step is skipped (``_checkpoint_files``), and a restore warns only when
+the static configuration really changed, one line per changed field
+(``_checkpoint_config``).
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from lsgd_jax import _checkpoint_config as _config
+from lsgd_jax import _checkpoint_files as _files
+from lsgd_jax._checkpoint_files import UnreadableCheckpointError
 from lsgd_jax._sync import assert_replicas_in_sync
 
 _ARRAYS, _MANIFEST = "arrays", "manifest"
@@ -33,11 +40,11 @@ def _ocp():
     return ocp
 
 
-def _manager(directory: str | os.PathLike, max_to_keep: int | None = None, *, write: bool):
+def _manager(directory: str | os.PathLike, max_to_keep: int | None = None):
     ocp = _ocp()
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
-        create=write,  # creating the folder is a barrier: only when every process saves
+        create=True,  # creating the folder is a barrier: every process saves
         enable_async_checkpointing=False,
     )
     return ocp.CheckpointManager(
@@ -76,7 +83,10 @@ def save_checkpoint(
     written by the processes that hold its shards, so with several processes every
     process must call this (with the same ``step``). The checkpoint appears under
     ``directory/<step>`` only once complete: a process killed mid-save leaves no
-    partial checkpoint that :func:`restore_checkpoint` would pick up.
+    partial checkpoint that :func:`restore_checkpoint` would pick up. Process 0 then
+    writes ``lsgd_jax_files.json`` into the step folder, the size of each of its files,
+    by which a later truncation is found without reading the arrays. The manifest records
+    the static configuration of the post-local SGD states, compared at restore.
 
     Args:
       directory: the folder holding one subfolder per step (created if missing).
@@ -87,6 +97,10 @@ def save_checkpoint(
 
     Returns:
       The path of the new checkpoint folder.
+
+    Raises:
+      ValueError: ``step`` is not a non-negative int.
+      TypeError: a leaf is neither an array nor a Python scalar.
 
     Example:
       >>> import tempfile, jax.numpy as jnp, optax, lsgd_jax
@@ -108,9 +122,12 @@ def save_checkpoint(
         "paths": paths,
         "shapes": [list(np.shape(x)) for x in leaves],
         "dtypes": [str(np.dtype(x.dtype)) for x in leaves],
-        "treedef": str(treedef),
+        "treedef": str(treedef),  # what older versions compare
+        "static": _config.static_config(tree),
+        "skeleton": _config.skeleton(tree),
     }
-    with _manager(directory, max_to_keep, write=True) as manager:
+    _files.set_aside_if_damaged(directory, int(step))
+    with _manager(directory, max_to_keep) as manager:
         manager.save(
             int(step),
             args=ocp.args.Composite(
@@ -122,20 +139,30 @@ def save_checkpoint(
             force=True,
         )
         manager.wait_until_finished()
-        return os.fspath(manager.directory / str(int(step)))
+        step_dir = os.fspath(manager.directory / str(int(step)))
+    if jax.process_index() == 0:  # the step folder is final: every process wrote its files
+        _files.write_file_sizes(step_dir)
+    if jax.process_count() > 1:  # no process returns (and may restore) before the list exists
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"lsgd_jax save_checkpoint {int(step)}")
+    return step_dir
 
 
 def latest_checkpoint_step(directory: str | os.PathLike) -> int | None:
-    """The newest complete checkpoint step under ``directory``, or None if there is none.
+    """The newest complete and readable checkpoint step under ``directory``, or None.
 
-    A directory listing, not a collective: any process may call it alone. Folders of
-    saves that did not complete (a process killed mid-save) are not counted.
+    A directory listing plus small reads, not a collective: any process may call it
+    alone. Folders of saves that did not complete (a process killed mid-save) are not
+    counted; a step whose files were damaged afterwards (truncated, missing, or JSON that
+    does not parse: see :func:`restore_checkpoint`) is skipped with a warning that names
+    the file, and the next older one is considered. The arrays are not read.
 
     Args:
       directory: the folder given to :func:`save_checkpoint`.
 
     Returns:
-      The largest saved step, or None.
+      The largest saved step that passes the check, or None.
 
     Example:
       >>> import tempfile, lsgd_jax
@@ -143,8 +170,12 @@ def latest_checkpoint_step(directory: str | os.PathLike) -> int | None:
       ...     print(lsgd_jax.latest_checkpoint_step(empty))
       None
     """
-    steps = _steps(directory)
-    return max(steps) if steps else None
+    for step in reversed(_steps(directory)):
+        damage = _files.damage(_files.step_dir(directory, step))
+        if damage is None:
+            return step
+        warnings.warn(_files.skipped_message("latest_checkpoint_step", step, *damage), stacklevel=2)
+    return None
 
 
 def _steps(directory: str | os.PathLike) -> list[int]:
@@ -174,6 +205,7 @@ def restore_checkpoint(
     step: int | None = None,
     *,
     check_in_sync: bool = True,
+    strict: bool = False,
 ) -> Any:
     """Restores a checkpoint saved by :func:`save_checkpoint` into the shape of ``target``.
 
@@ -186,6 +218,17 @@ def restore_checkpoint(
     (numpy, Python scalars) come back as numpy arrays. Paths, shapes and dtypes must
     match the saved ones.
 
+    When the static configuration differs from the saved one (another averager period,
+    another outer optimizer learning rate, renamed leaves) the target's is used, with one
+    warning that has a line per differing field, e.g. ``['opt_state'][2].averager.period:
+    2 -> 3``; ``strict=True`` raises instead. Functions (e.g. an optax outer optimizer)
+    compare by name and the simple values they close over, never by memory address.
+
+    A step whose files were damaged after the save (truncated, missing, JSON that does
+    not parse) is skipped with a warning naming the file, and the next older step is
+    restored; so is a step whose arrays then fail to read. A damaged ``step`` asked for
+    explicitly raises :class:`UnreadableCheckpointError`. Nothing is ever deleted.
+
     With several processes every process must call this. Afterwards
     :func:`assert_replicas_in_sync` checks that every replica and process restored the
     same step counters (unless ``check_in_sync=False``), so that a process that restored
@@ -195,15 +238,20 @@ def restore_checkpoint(
       directory: the folder given to :func:`save_checkpoint`.
       target: a pytree like the saved one (arrays, ShapeDtypeStructs with shardings,
         or Python scalars).
-      step: the step to restore; None: the latest (see :func:`latest_checkpoint_step`).
+      step: the step to restore; None: the newest readable one (see
+        :func:`latest_checkpoint_step`).
       check_in_sync: run :func:`assert_replicas_in_sync` on the result.
+      strict: raise instead of warning when names or static metadata differ.
 
     Returns:
       The restored pytree, with ``target``'s structure and shardings.
 
     Raises:
       FileNotFoundError: no checkpoint (or not ``step``) under ``directory``.
-      ValueError: the saved leaves do not match ``target``'s paths, shapes or dtypes.
+      UnreadableCheckpointError: ``step`` (or, with ``step=None``, every saved step) has
+        damaged files; a subclass of ValueError.
+      ValueError: the saved leaves do not match ``target``'s paths, shapes or dtypes;
+        or, with ``strict=True``, its names or static metadata.
       ReplicasOutOfSyncError: the restored step counters differ between replicas or
         processes.
 
@@ -217,38 +265,58 @@ def restore_checkpoint(
       >>> state["params"] = state["params"] + 1.0
       >>> with tempfile.TemporaryDirectory() as ckpt_dir:
       ...     _ = lsgd_jax.save_checkpoint(ckpt_dir, 3, state)
-      ...     restored = lsgd_jax.restore_checkpoint(ckpt_dir, fresh())
+      ...     restored = lsgd_jax.restore_checkpoint(ckpt_dir, fresh(), strict=True)
       >>> restored["params"][0], restored["opt_state"][0].start_localSGD_iter
       (Array([1., 1., 1.], dtype=float32), 4)
     """
     ocp = _ocp()
     paths, leaves, treedef = _flatten(target)
+    abstract = [_abstract(p, x) for p, x in zip(paths, leaves)]
     steps = _steps(directory)
     if step is None and not steps:
         raise FileNotFoundError(f"restore_checkpoint: no complete checkpoint under {directory!r}.")
-    if step is None:
-        step = steps[-1]
-    elif step not in steps:
+    if step is not None and step not in steps:
         raise FileNotFoundError(
             f"restore_checkpoint: no checkpoint of step {step} under {directory!r}; "
             f"saved steps: {steps}."
         )
-    with _manager(directory, write=False) as manager:
-        manifest = manager.restore(
-            step, args=ocp.args.Composite(**{_MANIFEST: ocp.args.JsonRestore()})
-        )[_MANIFEST]
-        abstract = [_abstract(p, x) for p, x in zip(paths, leaves)]
-        _check_manifest(manifest, paths, abstract, str(treedef), step)
-        restored = manager.restore(
-            step,
-            args=ocp.args.Composite(
-                **{
-                    _ARRAYS: ocp.args.StandardRestore(
-                        dict(zip(_leaf_names(len(abstract)), abstract))
-                    )
-                }
-            ),
-        )[_ARRAYS]
+    skipped: list[tuple[int, _files.Damaged]] = []
+    # A Checkpointer reads one step folder; a CheckpointManager would first read the
+    # metadata of every step, and log an error for each damaged one.
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as reader:
+        for candidate in [step] if step is not None else steps[::-1]:
+            try:
+                restored, lines = _restore_step(
+                    reader, directory, candidate, paths, abstract, str(treedef), target, strict
+                )
+                break
+            except _files.Damaged as d:
+                if step is not None:
+                    others = _files.readable(directory, [s for s in steps if s != step])
+                    raise UnreadableCheckpointError(
+                        f"restore_checkpoint: checkpoint {step} under {directory!r} is "
+                        f"unreadable: {d.path} {d.reason}. Files damaged after the save (a "
+                        "full disk, an interrupted copy) do this; nothing was changed. Restore "
+                        f"another step (readable: {others or 'none'}; step=None takes the "
+                        "newest readable one), or put back an intact copy of the folder.",
+                        step,
+                        d.path,
+                        d.reason,
+                    ) from d.__cause__
+                warnings.warn(
+                    _files.skipped_message("restore_checkpoint", candidate, *d.args), stacklevel=2
+                )
+                skipped.append((candidate, d))
+        else:
+            raise UnreadableCheckpointError(
+                f"restore_checkpoint: no readable checkpoint under {directory!r}: "
+                + "; ".join(f"step {s}: {d.path} {d.reason}" for s, d in skipped)
+                + ". Put back an intact copy of a step folder, or start afresh.",
+                None,
+                *skipped[0][1].args,
+            ) from skipped[0][1].__cause__
+    if lines:
+        warnings.warn(_config.mismatch(candidate, lines, strict=False), stacklevel=2)
     names = _leaf_names(len(abstract))
     tree = jax.tree_util.tree_unflatten(treedef, [restored[n] for n in names])
     if check_in_sync:
@@ -256,7 +324,51 @@ def restore_checkpoint(
     return tree
 
 
-def _check_manifest(manifest: dict, paths: list[str], abstract: list[Any], treedef: str, step):
+def _restore_step(
+    reader: Any,
+    directory: str | os.PathLike,
+    step: int,
+    paths: list[str],
+    abstract: list[Any],
+    treedef: str,
+    target: Any,
+    strict: bool,
+) -> tuple[dict[str, Any], list[str]]:
+    """The arrays of ``step`` and the differences to report; raises _files.Damaged if unreadable."""
+    ocp = _ocp()
+    step_dir = _files.step_dir(directory, step)
+    damage = _files.damage(step_dir)
+    if damage is not None:
+        raise _files.Damaged(*damage)
+    try:
+        manifest = reader.restore(
+            step_dir, args=ocp.args.Composite(**{_MANIFEST: ocp.args.JsonRestore()})
+        )[_MANIFEST]
+    except Exception as e:
+        raise _files.Damaged(
+            os.path.join(step_dir, _MANIFEST), f"failed to read ({type(e).__name__}: {e})"
+        ) from e
+    _check_manifest(manifest, paths, abstract, step)
+    lines = _config.differences(manifest, paths, treedef, target)
+    if lines and strict:
+        raise ValueError(_config.mismatch(step, lines, strict=True))
+    names = _leaf_names(len(abstract))
+    try:
+        restored = reader.restore(
+            step_dir,
+            args=ocp.args.Composite(
+                **{_ARRAYS: ocp.args.StandardRestore(dict(zip(names, abstract)))}
+            ),
+        )[_ARRAYS]
+    except Exception as e:
+        message = str(e) if len(str(e)) <= 300 else str(e)[:300] + "…"
+        raise _files.Damaged(
+            os.path.join(step_dir, _ARRAYS), f"failed to read ({type(e).__name__}: {message})"
+        ) from e
+    return restored, lines
+
+
+def _check_manifest(manifest: dict, paths: list[str], abstract: list[Any], step: int) -> None:
     saved = manifest["paths"]
     if len(saved) != len(paths):
         missing = [p for p in paths if p not in saved]
@@ -275,14 +387,3 @@ def _check_manifest(manifest: dict, paths: list[str], abstract: list[Any], treed
                 "values have a leading axis of one entry per replica: restore on a mesh "
                 "with as many replicas as the run that saved it."
             )
-    # Same leaves, shapes and dtypes: differences in names or static metadata (another
-    # averager period, a state class that now names its fields) only warn.
-    renamed = [(a, b) for a, b in zip(saved, paths) if a != b]
-    if renamed or manifest.get("treedef") != treedef:
-        warnings.warn(
-            f"restore_checkpoint: the target's structure differs from checkpoint {step}'s "
-            f"in names or static metadata only; the target's are used. Renamed leaves "
-            f"(saved -> target): {renamed or 'none'}.\n"
-            f"  saved:  {manifest.get('treedef')}\n  target: {treedef}",
-            stacklevel=3,
-        )

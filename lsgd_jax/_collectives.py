@@ -197,12 +197,25 @@ class AxisNotBoundError(NameError):
     """
 
 
+def _nothing_mapped(what: str) -> AxisNotBoundError:
+    """The error for a mean called where no mapped axis is bound at all."""
+    return AxisNotBoundError(
+        f"{what}: no mapped axis is bound here, so there is no group of replicas to "
+        "average over: it is a collective and runs inside a function mapped over the "
+        "devices. Use lsgd_jax.data_parallel_step(loss_fn, tx, mesh), which does the "
+        "mapping for you, or call it inside your own jax.shard_map(..., mesh=lsgd_jax."
+        "make_mesh()) or jax.pmap(..., axis_name=...) step."
+    )
+
+
 def _check_bound(axes: Axes, what: str) -> None:
     for a in axes:
         try:
             lax.axis_size(a)
         except NameError:
             bound = bound_axes()
+            if not bound:
+                raise _nothing_mapped(what) from None
             hint = ""
             if len(bound) == 1:
                 hint = (
@@ -210,10 +223,10 @@ def _check_bound(axes: Axes, what: str) -> None:
                     f"with lsgd_jax.node_groups({bound[0]!r}, devices_per_node=...)."
                 )
             raise AxisNotBoundError(
-                f"{what}: mesh axis {a!r} is not bound here (bound axes: "
-                f"{bound or 'none'}). Call it inside jax.shard_map or jax.pmap over "
-                f"a mesh that has an axis named {a!r} (e.g. lsgd_jax.make_mesh(), whose axes "
-                f"are ('node', 'local')), or pass the axis names your mesh uses.{hint}"
+                f"{what}: mesh axis {a!r} is not bound here (bound axes: {bound}). Name "
+                f"the axes of the mesh this runs under (process_group= / subgroup=), or "
+                f"run it in a jax.shard_map over a mesh with an axis {a!r} "
+                f"(lsgd_jax.make_mesh() has ('node', 'local')).{hint}"
             ) from None
 
 
@@ -241,11 +254,7 @@ def global_axes(what: str) -> Callable[[], Axes]:
     def default() -> Axes:
         axes = bound_axes()
         if not axes:
-            raise AxisNotBoundError(
-                f"{what}: no mapped axis is bound here, so there is no group to average "
-                "over. Call it inside jax.shard_map (over e.g. lsgd_jax.make_mesh()) or "
-                "jax.pmap(..., axis_name=...), or pass the axis names explicitly."
-            )
+            raise _nothing_mapped(what)
         return axes
 
     return default
@@ -399,7 +408,8 @@ def compressed_mean(tree: Any, group: Group, dtype: Any, cast: bool = True) -> A
     replica of the group with the same (``dtype``-rounded) result.
 
     Args:
-      tree: a pytree; integer and boolean leaves pass unchanged.
+      tree: a pytree; integer and boolean leaves pass unchanged; complex leaves are
+        sent as their real and imaginary parts.
       group: a resolved group (axes, or IndexGroups).
       dtype: the dtype on the wire.
 
@@ -415,7 +425,11 @@ def compressed_mean(tree: Any, group: Group, dtype: Any, cast: bool = True) -> A
     else:
         axis, kwargs = group, {}
     n = group_size(group)
-    flat = jnp.concatenate([jnp.ravel(leaves[i]).astype(jnp.float32) for i in picked])
+    parts = []  # complex leaves travel as their real and imaginary parts
+    for i in picked:
+        x = jnp.ravel(leaves[i])
+        parts += [x.real, x.imag] if jnp.iscomplexobj(x) else [x]
+    flat = jnp.concatenate([x.astype(jnp.float32) for x in parts])
     size = flat.shape[0]
     buf = jnp.pad(flat, (0, (-size) % n)).astype(dtype).reshape(n, -1)
     received = lax.all_to_all(buf, axis, 0, 0, **kwargs)
@@ -427,6 +441,10 @@ def compressed_mean(tree: Any, group: Group, dtype: Any, cast: bool = True) -> A
         x = leaves[i]
         piece = full[offset : offset + x.size].reshape(x.shape)
         offset += x.size
+        if jnp.iscomplexobj(x):
+            imag = full[offset : offset + x.size].reshape(x.shape)
+            offset += x.size
+            piece = lax.complex(piece, imag)
         piece = piece.astype(x.dtype)
         out[i] = cast_varying(piece, vma(x)) if cast else piece
     return jax.tree.unflatten(treedef, out)

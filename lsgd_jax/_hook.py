@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from lsgd_jax import _collectives, _phase
+from lsgd_jax import _collectives
 from lsgd_jax._collectives import GroupSpec
 from lsgd_jax._state import PostLocalSGDState
 
@@ -97,11 +97,9 @@ def post_localSGD_hook(state: PostLocalSGDState, grads: Any) -> tuple[Any, PostL
     with jax.named_scope("post_localSGD_hook"):  # names its collectives in the HLO
         if state.start_localSGD_iter == 0:  # static: local from the first step, no cond
             return local_step(grads, state)
-        pinned = _phase.branch(_phase.hook_key(state))
-        if pinned is not None:  # data_parallel_step traces each phase on its own
-            return (global_step if pinned else local_step)(grads, state)
-        pred = state.iter < state.start_localSGD_iter
-        return lax.cond(pred, global_step, local_step, grads, state)
+        if state.pinned_phase is not None:  # a step specialized per phase (static)
+            return (global_step if state.pinned_phase else local_step)(grads, state)
+        return lax.cond(state.phase > 0, global_step, local_step, grads, state)
 
 
 def post_local_sgd(

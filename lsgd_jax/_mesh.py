@@ -40,7 +40,13 @@ def make_mesh(
         (``jax.local_device_count()`` when both are defaulted).
       devices: the devices to use (default ``jax.devices()``); the first
         ``num_nodes * devices_per_node`` in ``(process_index, id)`` order are taken.
-      axis_types: passed to ``jax.sharding.Mesh`` (default: JAX's default, Explicit).
+      axis_types: passed to ``jax.sharding.Mesh``. Default: ``Auto`` axes (what
+        ``jax.sharding.Mesh`` makes; ``jax.make_mesh`` now defaults to ``Explicit``), so
+        that the same mesh also serves plain ``jax.jit`` code whose shardings the
+        compiler propagates (e.g. a DDP baseline written without shard_map), which
+        Explicit axes reject with a ``ShardingTypeError``. ``shard_map`` and
+        :func:`data_parallel_step` work with either; pass
+        ``(jax.sharding.AxisType.Explicit,) * 2`` for explicit-sharding code.
 
     Returns:
       A ``jax.sharding.Mesh`` of shape ``(num_nodes, devices_per_node)``.

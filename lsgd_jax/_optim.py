@@ -50,7 +50,7 @@ def averaged_updates(
     (updates, extra), state = averager._apply(
         (updates, params, extra), state, prepare, finish, passthrough
     )
-    return updates, extra, state.replace(step=optax.safe_increment(state.step))
+    return updates, extra, averager._advance(state)
 
 
 def _require_params(params: Any, what: str) -> None:
@@ -145,7 +145,9 @@ def post_local_sgd_optimizer(
         behaviour), a pytree of bools shaped like the inner state (an optax-style mask),
         or a callable ``inner_state -> that pytree``, e.g.
         ``lambda s: jax.tree.map(lambda x: jnp.ndim(x) > 0, s)`` (every array but the
-        scalar counters).
+        scalar counters). With ``fragments``, chosen parts shaped like the params
+        (momentum, Adam's moments) are averaged element by element with their params;
+        other chosen leaves are averaged whole at every fragment's average.
 
     Returns:
       An optax.GradientTransformationExtraArgs with a PostLocalSGDOptimizerState.
@@ -164,7 +166,7 @@ def post_local_sgd_optimizer(
 
     def mask_of(inner_state):
         if average_opt_state is None:
-            return None
+            return [False] * len(jax.tree.leaves(inner_state))
         mask = average_opt_state(inner_state) if callable(average_opt_state) else average_opt_state
         leaves, treedef = jax.tree.flatten(inner_state)
         try:
@@ -186,12 +188,14 @@ def post_local_sgd_optimizer(
         updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
         flags = mask_of(inner_state)
         leaves, treedef = jax.tree.flatten(inner_state)
-        extra = [x for x, f in zip(leaves, flags) if f] if flags else None
+        # The chosen leaves, in the inner state's own structure (None elsewhere), so that
+        # its params-shaped parts (momentum, moments) can be cut like the params.
+        extra = jax.tree.unflatten(treedef, [x if f else None for x, f in zip(leaves, flags)])
         updates, extra, averager_state = averaged_updates(
-            averager, updates, params, state.averager_state, extra
+            averager, updates, params, state.averager_state, extra if any(flags) else None
         )
-        if flags:
-            it = iter(extra)
+        if any(flags):
+            it = iter(jax.tree.leaves(extra))
             leaves = [next(it) if f else x for x, f in zip(leaves, flags)]
             inner_state = jax.tree.unflatten(treedef, leaves)
         return updates, PostLocalSGDOptimizerState(inner_state, averager_state)

@@ -1,58 +1,109 @@
-"""Trace-time phase pinning: trace a step once per phase, each without conditionals.
+"""Phases: which branch each hook and averager of an optimizer state takes this step.
 
-The hook and the averagers branch on their step counters with ``lax.cond`` /
-``lax.switch``. Inside a whole training step that costs more than the branch: on CPU
-the conditional's outputs are materialized and break the fusion of what follows (the
-optimizer update and ``apply_updates``), which was measured at 12% (hook) and 30%
-(averager) of a 10M-parameter step on 8 simulated devices. ``data_parallel_step``
-instead runs ONE ``lax.switch`` over the whole step, each branch traced with every
-hook and averager pinned to one of its branches (this module's context), so each
-branch is straight-line code that XLA fuses like a hand-written step.
+The hook branches on its counter (global or node-local gradient mean), each averager on
+its level (no average, or one group's). Each state type says how many phases it has
+(``num_phases``) and which one it is in (``phase``, from its counters alone, so the same
+on every replica). An optimizer state's phase is the mixed-radix number of its states'
+phases, in tree order: ``phase_index``.
+
+Whoever specializes a step per phase (``data_parallel_step``) traces the update once per
+phase with every state *pinned*: ``pin`` writes the phase into each state's static
+metadata (``pinned_phase``), and the hook and the averagers then take that branch as
+straight-line code, without a ``lax.cond``. Being static metadata, the pin is part of the
+state's tree structure, so a ``jax.jit``, ``jax.checkpoint`` or ``lax.scan`` around the
+update traces each pinned state separately and never reuses a pinned trace for another
+phase (a hidden trace-time context would be baked into such caches). ``unpin`` clears the
+pins so that every branch returns the same structure.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Hashable, Iterator, Mapping
+from typing import Any
 
-_PINNED: contextvars.ContextVar[Mapping[Hashable, int] | None] = contextvars.ContextVar(
-    "lsgd_jax_pinned_phase", default=None
-)
+import jax
+import jax.numpy as jnp
+
+from lsgd_jax._averaging import ModelAveragerState
+from lsgd_jax._state import PostLocalSGDState
 
 
-@contextlib.contextmanager
-def pinned(assignment: Mapping[Hashable, int]) -> Iterator[None]:
-    """While tracing inside, ``branch(key)`` returns ``assignment[key]``.
+def _is_state(x: Any) -> bool:
+    return isinstance(x, (PostLocalSGDState, ModelAveragerState))
+
+
+def _branching(opt_state: Any) -> list[Any]:
+    """The states with more than one phase, in tree order."""
+    leaves = jax.tree.leaves(opt_state, is_leaf=_is_state)
+    return [x for x in leaves if _is_state(x) and x.num_phases > 1]
+
+
+def num_phases(opt_state: Any) -> int:
+    """How many phases a step with this optimizer state can be in.
+
+    The product of the phases of its post_local_sgd hooks (2: global, node-local) and
+    model averagers (one per level, plus "no average"); 1 when nothing branches.
+
+    Args:
+      opt_state: an optax state (per-replica or not).
+
+    Returns:
+      An int.
 
     Example:
-      >>> from lsgd_jax import _phase
-      >>> with _phase.pinned({"k": 1}):
-      ...     _phase.branch("k")
-      1
-      >>> _phase.branch("k") is None
-      True
+      >>> import optax, lsgd_jax
+      >>> tx = optax.chain(lsgd_jax.post_local_sgd(8), optax.sgd(0.1),
+      ...     lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(4, warmup_steps=8)))
+      >>> lsgd_jax.num_phases(tx.init({}))
+      4
     """
-    token = _PINNED.set(dict(assignment))
-    try:
-        yield
-    finally:
-        _PINNED.reset(token)
+    n = 1
+    for state in _branching(opt_state):
+        n *= state.num_phases
+    return n
 
 
-def branch(key: Hashable) -> int | None:
-    """The pinned branch index for ``key``, or None (branch at run time)."""
-    assignment = _PINNED.get()
-    if assignment is None:
-        return None
-    return assignment.get(key)
+def phase_index(opt_state: Any) -> jax.Array:
+    """Which phase this step is in: the mixed-radix number of the states' phases.
+
+    In tree order, each hook contributes its phase (1 before the switch, global mean; 0
+    after) and each averager its level (0: no average), with the radix of its number of
+    phases; states with a single phase are left out. The same on every replica, as it
+    comes from the step counters only. ``data_parallel_step`` runs the branch of this
+    index, and :func:`communication_report` names a collective's ``branch`` by it.
+
+    Args:
+      opt_state: an optax state, unbatched (inside ``shard_map``, or one replica's).
+
+    Returns:
+      An int32 scalar in ``range(num_phases(opt_state))``.
+
+    Example:
+      >>> import optax, lsgd_jax
+      >>> tx = optax.chain(lsgd_jax.post_local_sgd(8), optax.sgd(0.1),
+      ...     lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(4, warmup_steps=8)))
+      >>> int(lsgd_jax.phase_index(tx.init({})))   # global gradients, no average
+      2
+    """
+    index = jnp.zeros([], jnp.int32)
+    for state in _branching(opt_state):
+        index = index * state.num_phases + state.phase
+    return index
 
 
-def hook_key(state) -> Hashable:
-    """The pinning key of a PostLocalSGDState: its static configuration."""
-    return ("post_localSGD_hook", state.tree_flatten()[1])
+def pin(opt_state: Any, index: int) -> Any:
+    """``opt_state`` with every branching state pinned to its digit of phase ``index``."""
+    leaves, treedef = jax.tree.flatten(opt_state, is_leaf=_is_state)
+    branching = [i for i, x in enumerate(leaves) if _is_state(x) and x.num_phases > 1]
+    for i in reversed(branching):  # the last state is the lowest digit
+        index, digit = divmod(index, leaves[i].num_phases)
+        leaves[i] = leaves[i].replace(pinned_phase=digit)
+    return jax.tree.unflatten(treedef, leaves)
 
 
-def averager_key(averager) -> Hashable:
-    """The pinning key of an averager: the (hashable) averager itself."""
-    return ("model_averaging", averager)
+def unpin(opt_state: Any) -> Any:
+    """``opt_state`` with every pin cleared."""
+    return jax.tree.map(
+        lambda x: x.replace(pinned_phase=None) if _is_state(x) else x,
+        opt_state,
+        is_leaf=_is_state,
+    )

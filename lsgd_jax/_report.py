@@ -49,7 +49,13 @@ _CALLEES = re.compile(
 _BRANCHES = re.compile(r"\b(branch_computations|called_computations)=\{([^}]*)\}")
 
 
-SCOPES = ("post_localSGD_hook", "model_averaging", "model_state_averaging", "metrics")
+SCOPES = (
+    "post_localSGD_hook",
+    "ddp",
+    "model_averaging",
+    "model_state_averaging",
+    "metrics",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,9 +90,9 @@ class Collective:
 
     @property
     def scope(self) -> str:
-        """Which part of lsgd_jax made it (``"post_localSGD_hook"``, ``"model_averaging"``,
-        ``"model_state_averaging"``, ``"metrics"``), "" for other code; ``"a+b"`` when
-        XLA combined collectives of both into one."""
+        """Which part of lsgd_jax made it (``"post_localSGD_hook"``, ``"ddp"``,
+        ``"model_averaging"``, ``"model_state_averaging"``, ``"metrics"``), "" for other
+        code; ``"a+b"`` when XLA combined collectives of both into one."""
         parts = set(re.split(r"[/:()]", self.op_name))
         return "+".join(s for s in SCOPES if s in parts)
 
@@ -505,9 +511,11 @@ def communication_report(
     branch, so it runs only on some steps) or runs on every call.
 
     Args:
-      jitted_step: a ``jax.jit``-wrapped function, or an already compiled
-        ``jax.stages.Compiled``.
-      *args: example arguments (arrays or ``jax.ShapeDtypeStruct`` with shardings).
+      jitted_step: a ``jax.jit``-wrapped function, an already compiled
+        ``jax.stages.Compiled``, or the step of :func:`data_parallel_step`.
+      *args: example arguments (arrays or ``jax.ShapeDtypeStruct`` with shardings);
+        for a :func:`data_parallel_step` step, its own arguments, e.g. ``(params,
+        opt_state, batch)``.
       mesh: the mesh whose axes name the groups; default the mesh of the first argument
         with a ``NamedSharding``.
       platform: when given (e.g. ``"cuda"`` or ``"tpu"``), the step is lowered for that
@@ -528,6 +536,10 @@ def communication_report(
       >>> [(c.kind, c.axes, c.bytes, c.conditional) for c in lsgd_jax.communication_report(f, x)]
       [('all-reduce', ('local',), 4, False)]
     """
+    from lsgd_jax._step import DataParallelStep
+
+    if isinstance(jitted_step, DataParallelStep):  # its own signature, e.g. (p, s, batch)
+        args, jitted_step = jitted_step.jit_args(*args), jitted_step.jitted
     if mesh is None:
         mesh = _find_mesh(list(args) + list(kwargs.values()))
     if platform is not None:

@@ -16,6 +16,7 @@ from lsgd_jax._collectives import GroupSpec
 logger = logging.getLogger("lsgd_jax")
 
 _META = ("process_group", "subgroup", "start_localSGD_iter", "post_local_gradient_allreduce")
+_STATIC = (*_META, "pinned_phase")
 
 
 def check_nonnegative_int(value: Any, name: str) -> int:
@@ -53,6 +54,9 @@ class PostLocalSGDState:
       post_local_gradient_allreduce: whether gradients are still averaged inside the
         subgroup after the switch (``False``: they are left untouched).
       iter: int32 scalar array, the step count.
+      pinned_phase: None, or (static) the phase the hook takes whatever ``iter`` says:
+        set by whoever specializes a step per phase (see :func:`phase_index`), in the
+        state's static metadata so that every trace cache keys on it.
 
     Example:
       >>> import lsgd_jax
@@ -63,7 +67,7 @@ class PostLocalSGDState:
       2
     """
 
-    __slots__ = ("iter", *_META)
+    __slots__ = ("iter", *_STATIC)
 
     def __init__(
         self,
@@ -84,12 +88,13 @@ class PostLocalSGDState:
             _collectives.normalize_group(subgroup, "subgroup"),
             start,
             post_local_gradient_allreduce,
+            None,
         )
         logger.info("Local SGD will be started after %s iterations", start)
 
     def _set(self, iter_, *meta: Any) -> None:
         object.__setattr__(self, "iter", iter_)
-        for name, value in zip(_META, meta):
+        for name, value in zip(_STATIC, meta):
             object.__setattr__(self, name, value)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -99,7 +104,7 @@ class PostLocalSGDState:
 
     # Pytree protocol: unflattening (and replace) bypasses __init__, so it never logs.
     def tree_flatten(self):
-        return (self.iter,), tuple(getattr(self, n) for n in _META)
+        return (self.iter,), tuple(getattr(self, n) for n in _STATIC)
 
     def tree_flatten_with_keys(self):
         return ((jax.tree_util.GetAttrKey("iter"), self.iter),), self.tree_flatten()[1]
@@ -125,12 +130,32 @@ class PostLocalSGDState:
           >>> int(s.iter)
           3
         """
-        unknown = set(changes) - {"iter", *_META}
+        unknown = set(changes) - {"iter", *_STATIC}
         if unknown:
             raise TypeError(f"PostLocalSGDState has no field(s) {sorted(unknown)}.")
         obj = object.__new__(type(self))
-        obj._set(*(changes.get(n, getattr(self, n)) for n in ("iter", *_META)))
+        obj._set(*(changes.get(n, getattr(self, n)) for n in ("iter", *_STATIC)))
         return obj
+
+    @property
+    def num_phases(self) -> int:
+        """How many branches the hook has: 2 (global, then node-local), or 1 when
+        ``start_localSGD_iter == 0`` (node-local from the first step, no branch)."""
+        return 1 if self.start_localSGD_iter == 0 else 2
+
+    @property
+    def phase(self) -> jax.Array:
+        """This state's phase, an int32 scalar: 1 before the switch (global mean), 0
+        after (node-local), from ``iter`` alone (the same on every replica).
+
+        Example:
+          >>> import lsgd_jax
+          >>> int(lsgd_jax.PostLocalSGDState(None, None, 2).phase)
+          1
+        """
+        if self.num_phases == 1:
+            return jnp.zeros([], jnp.int32)
+        return (self.iter < self.start_localSGD_iter).astype(jnp.int32)
 
     @property
     def local_sgd_started(self) -> jax.Array:
@@ -172,4 +197,5 @@ class PostLocalSGDState:
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in _META)
-        return f"PostLocalSGDState(iter={self.iter!r}, {fields})"
+        pin = "" if self.pinned_phase is None else f", pinned_phase={self.pinned_phase}"
+        return f"PostLocalSGDState(iter={self.iter!r}, {fields}{pin})"

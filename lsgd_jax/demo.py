@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         params, opt_state = lsgd_jax.replicate(p0, mesh), lsgd_jax.replicate(tx.init(p0), mesh)
         b = per_replica * n_rep
         first = {"x": x_all[:b], "y": y_all[:b]}
-        report = lsgd_jax.communication_report(step.jitted, params, None, opt_state, first)
+        report = step.communication_report(params, opt_state, first)
         t0 = time.perf_counter()
         for s in range(args.steps):
             batch = {"x": x_all[s * b : (s + 1) * b], "y": y_all[s * b : (s + 1) * b]}
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     cols = list(rows[0])
     fmt = {
-        "final loss": "{:.4f}",
+        "train loss": "{:.4f}",
         "test acc": "{:.3f}",
         "cross-node MB/device": "{:.2f}",
         "seconds": "{:.1f}",

@@ -188,13 +188,59 @@ def test_averager_state_is_type_stable_and_scannable():
     assert state.step.dtype == jnp.int32
 
 
-def test_averager_step_saturates_instead_of_wrapping():
+INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+@pytest.mark.parametrize(
+    "averager",
+    [
+        lsgd_jax.PeriodicModelAverager(4),
+        lsgd_jax.PeriodicModelAverager(3, warmup_steps=1),
+        lsgd_jax.PeriodicModelAverager(6, warmup_steps=5, fragments=3),
+        lsgd_jax.HierarchicalModelAverager({2: "local", 3: ("node", "local")}, warmup_steps=7),
+    ],
+    ids=["periodic", "periodic-warmup", "fragments", "hierarchical"],
+)
+def test_the_schedule_stays_right_past_the_int32_maximum(averager):
+    # A saturating counter used to stop PeriodicModelAverager(4) forever and made
+    # PeriodicModelAverager(3, warmup_steps=1) average at every step.
     mesh = mesh_2x4()
-    averager = lsgd_jax.PeriodicModelAverager(4)
+    rank = put(rank_values(8), mesh, DATA)
+
+    def body(params, state, rank):
+        p, s = averager.average_parameters(squeeze(params) + squeeze(rank), state)
+        return unsqueeze(p), s
+
+    f = smap(body, mesh, (DATA, P(), DATA), (DATA, P()))
+    first = INT32_MAX - 9
+    state = put(averager.init().replace(step=jnp.int32(first)), mesh, P())
+    params = put(jnp.zeros((8, 5)), mesh, DATA)
+    got, want = [], []
+    for true_step in range(first, first + 24):  # Python ints: no overflow here
+        params, state = f(params, state, rank)
+        level = averager.level(true_step)  # the rule, on the true (unbounded) count
+        want.append(level)
+        values = np.asarray(params)
+        if level and averager.groups[level - 1 if len(averager.groups) > 1 else 0] == ("local",):
+            values = values.reshape(2, 4, 5)[0]  # the first node's replicas
+        spread = np.ptp(values, axis=0)  # per element, over the group's replicas
+        k = getattr(averager, "fragments", 1)
+        chunk = -(-5 // k)
+        region = spread[(level - 1) * chunk : level * chunk] if level and k > 1 else spread
+        got.append(level if (region.max() == 0) == bool(level) else -1)
+    assert got == want
+    assert any(want[10:]), "the window must hold averages past the maximum"
+    assert 0 <= int(state.step) <= INT32_MAX
+
+
+def test_a_callable_period_fails_loudly_at_the_int32_maximum():
+    mesh = mesh_2x4()
+    averager = lsgd_jax.PeriodicModelAverager(lambda s: jnp.where(s < 100, 2, 4))
     f = averaging_fn(averager, mesh, False)
-    state = averager.init().replace(step=jnp.int32(np.iinfo(np.int32).max))
-    _, state = f(put(rank_values(8), mesh, DATA), put(state, mesh, P()))
-    assert int(state.step) == np.iinfo(np.int32).max
+    state = averager.init().replace(step=jnp.int32(INT32_MAX), last_sync=jnp.int32(INT32_MAX - 1))
+    with pytest.raises(Exception, match="reached the int32 maximum"):
+        _, state = f(put(rank_values(8), mesh, DATA), put(state, mesh, P()))
+        jax.block_until_ready(state)
 
 
 # --- bad input ------------------------------------------------------------------------

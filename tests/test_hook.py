@@ -248,3 +248,25 @@ def test_unbound_subgroup_axis_is_named():
 def test_hook_rejects_a_wrong_state():
     with pytest.raises(TypeError, match="expects a PostLocalSGDState"):
         lsgd_jax.post_localSGD_hook({"iter": 0}, jnp.ones(3))
+
+
+@pytest.mark.parametrize("process_group", [None, ("node", "local")])
+def test_outside_any_mapping_one_message_says_what_to_do(process_group):
+    # It used to say "pass the axis names explicitly", and with them passed, that the
+    # axis is not bound: two messages, neither with the fix.
+    state = lsgd_jax.PostLocalSGDState(process_group, "local", start_localSGD_iter=1)
+    with pytest.raises(lsgd_jax.AxisNotBoundError) as e:
+        jax.jit(lsgd_jax.post_localSGD_hook)(state, jnp.ones(3))
+    msg = str(e.value)
+    assert "no mapped axis is bound here" in msg and "data_parallel_step" in msg
+    assert "jax.shard_map" in msg and "pass the axis names" not in msg
+
+
+def test_make_mesh_axes_are_auto_so_plain_jit_code_runs_on_it():
+    mesh = lsgd_jax.make_mesh(2, 4)
+    assert mesh.axis_types == (jax.sharding.AxisType.Auto,) * 2
+    # A plain-jit DDP baseline: the compiler shards the batch, no shard_map.
+    x = jax.device_put(jnp.ones((16, 3)), jax.NamedSharding(mesh, P(("node", "local"))))
+    w = jax.device_put(jnp.zeros(3), jax.NamedSharding(mesh, P()))
+    grad = jax.jit(jax.grad(lambda w, x: jnp.mean((x @ w - 1.0) ** 2)))(w, x)
+    np.testing.assert_allclose(grad, -2.0 * np.ones(3))

@@ -97,7 +97,7 @@ def test_model_axis_stays_automatic_and_matches_plain_data_parallel():
     for got, ref in zip(traj, want):
         for name in got:
             np.testing.assert_allclose(got[name], ref[name], rtol=1e-5, atol=1e-6)
-    report = lsgd_jax.communication_report(step.jitted, params, None, opt_state, next(batches(32)))
+    report = lsgd_jax.communication_report(step, params, opt_state, next(batches(32)))
     # The data-parallel means (gradients, models) are conditional; the only unconditional
     # data-axis collective is the 4-byte mean of the loss that the step returns.
     # data_parallel_step traces each phase on its own: branch k of one switch is

@@ -136,3 +136,120 @@ def test_make_mesh_layout_and_errors():
         lsgd_jax.make_mesh(3, 4)
     with pytest.raises(ValueError, match="num_nodes must be a positive int, got 0"):
         lsgd_jax.make_mesh(0)
+
+
+def quadratic_loss(p, b):
+    return jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+
+
+def quadratic_batch(seed, n=64):
+    rng = np.random.default_rng(seed)
+    return {
+        "x": rng.standard_normal((n, 4), np.float32),
+        "y": rng.standard_normal((n, 1), np.float32),
+    }
+
+
+@pytest.mark.parametrize("shape", [None, (8, 1), (1, 8), (1, 1)])
+def test_meshes_with_size_one_axes_run_many_steps(shape):
+    # The default make_mesh() on one process is {'node': 1, 'local': 8}; the step's own
+    # outputs used to come back with the size-1 axis dropped from their sharding and fail
+    # its input check on the second step.
+    mesh = lsgd_jax.make_mesh() if shape is None else lsgd_jax.make_mesh(*shape)
+    tx = optax.chain(
+        lsgd_jax.post_local_sgd(2),
+        optax.sgd(0.1, momentum=0.9),
+        lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(2, warmup_steps=2)),
+    )
+    p0 = {"w": jnp.zeros((4, 1))}
+    step = lsgd_jax.data_parallel_step(quadratic_loss, tx, mesh)
+    p, s = lsgd_jax.replicate(p0, mesh), lsgd_jax.replicate(tx.init(p0), mesh)
+    for k in range(5):
+        p, s, loss = step(p, s, quadratic_batch(k, 8 * mesh.devices.size))
+    assert lsgd_jax.assert_replicas_in_sync(s) == {"[0].iter": 2, "[2].step": 5}
+    assert np.isfinite(float(loss))
+
+
+def test_reusing_donated_inputs_raises_instead_of_crashing():
+    mesh = mesh_2x4()
+    tx = optax.chain(lsgd_jax.post_local_sgd(2), optax.sgd(0.1))
+    p0 = {"w": jnp.zeros((4, 1))}
+    step = lsgd_jax.data_parallel_step(quadratic_loss, tx, mesh)
+    p, s = lsgd_jax.replicate(p0, mesh), lsgd_jax.replicate(tx.init(p0), mesh)
+    batch = quadratic_batch(0)
+    p2, s2, _ = step(p, s, batch)
+    with pytest.raises(ValueError, match=r"params leaf \['w'\] was donated.*returned"):
+        step(p, s, batch)
+    with pytest.raises(ValueError, match=r"opt_state leaf \[0\].iter was donated"):
+        step(p2, s, batch)
+    p3, s3, _ = step(p2, s2, batch)  # the returned values work
+    keep = lsgd_jax.data_parallel_step(quadratic_loss, tx, mesh, donate=False)
+    keep(p3, s3, batch)
+    keep(p3, s3, batch)  # nothing donated: reusable
+
+
+def test_a_chain_without_the_hook_is_ddp():
+    mesh = mesh_2x4()
+    tx = optax.adamw(1e-2)
+    p0 = {"w": jnp.zeros((4, 1))}
+    step = lsgd_jax.data_parallel_step(quadratic_loss, tx, mesh)
+    p, s = lsgd_jax.replicate(p0, mesh), lsgd_jax.replicate(tx.init(p0), mesh)
+    # Single-device reference: the gradient of the mean loss over the global batch.
+    ref_p, ref_s = p0, tx.init(p0)
+    for k in range(4):
+        batch = quadratic_batch(k)
+        p, s, _ = step(p, s, batch)
+        per_replica = jax.tree.map(lambda x: x.reshape(8, -1, *x.shape[1:]), batch)
+        grads = jax.tree.map(
+            lambda *g: sum(g) / 8,
+            *[
+                jax.grad(quadratic_loss)(ref_p, jax.tree.map(lambda x, r=r: x[r], per_replica))
+                for r in range(8)
+            ],
+        )
+        updates, ref_s = tx.update(grads, ref_s, ref_p)
+        ref_p = optax.apply_updates(ref_p, updates)
+    w = np.asarray(p["w"])
+    np.testing.assert_array_equal(w, np.broadcast_to(w[0], w.shape))  # replicas identical
+    np.testing.assert_allclose(w[0], ref_p["w"], rtol=1e-5, atol=1e-6)
+
+
+def test_an_averager_without_the_hook_is_refused():
+    mesh = mesh_2x4()
+    tx = optax.chain(optax.sgd(0.1), lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(4)))
+    p0 = {"w": jnp.zeros((4, 1))}
+    step = lsgd_jax.data_parallel_step(quadratic_loss, tx, mesh)
+    p, s = lsgd_jax.replicate(p0, mesh), lsgd_jax.replicate(tx.init(p0), mesh)
+    fix = r"post_local_sgd\(0, post_local_gradient_allreduce=False\)"
+    with pytest.raises(ValueError, match=fix):
+        step(p, s, quadratic_batch(0))
+
+
+def test_model_state_under_multisteps_averages_only_on_emitting_mini_steps():
+    mesh = mesh_2x4()
+    averager = lsgd_jax.PeriodicModelAverager(2)  # averages at its steps 0, 2, 4, ...
+    tx = optax.MultiSteps(
+        optax.chain(
+            lsgd_jax.post_local_sgd(0, post_local_gradient_allreduce=False),
+            optax.sgd(0.05),
+            lsgd_jax.model_averaging(averager),
+        ),
+        every_k_schedule=2,
+    )
+    step = lsgd_jax.data_parallel_step(mlp_loss, tx, mesh, has_aux=True, with_model_state=True)
+    p0 = {"w": jnp.ones((5, 2))}
+    s0 = {"running_mean": jnp.zeros(2), "count": jnp.zeros([], jnp.int32)}
+    params, model_state = lsgd_jax.replicate(p0, mesh), lsgd_jax.replicate(s0, mesh)
+    opt_state = lsgd_jax.replicate(tx.init(p0), mesh)
+    rng = np.random.default_rng(0)
+    averaged = []
+    for _ in range(8):
+        batch = {
+            "x": rng.standard_normal((32, 5), np.float32),
+            "y": rng.standard_normal((32, 2), np.float32),
+        }
+        params, model_state, opt_state, _, _ = step(params, model_state, opt_state, batch)
+        rm = np.asarray(model_state["running_mean"])
+        averaged.append(bool(np.all(rm == rm[0])))
+    # Mini-steps 1, 5 emit updates at averager steps 0 and 2; 3 and 7 emit at 1 and 3.
+    assert averaged == [False, True, False, False, False, True, False, False]

@@ -1,0 +1,109 @@
+"""check_configuration: how the hook and the averagers of one optimizer fit together.
+
+Each transform checks its own arguments; what only shows when they meet is checked here,
+from the static metadata of an optimizer state: the order of the chain, a warm-up that
+does not match the hook's switch, and an averaging level that can only average replicas
+the hook already keeps identical.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import jax
+
+from lsgd_jax import _collectives
+from lsgd_jax._averaging import ModelAveragerState
+from lsgd_jax._hook import DEFAULT_SUBGROUP
+from lsgd_jax._state import PostLocalSGDState
+
+
+def _is_node(x: Any) -> bool:
+    return isinstance(x, (PostLocalSGDState, ModelAveragerState))
+
+
+def _nodes(opt_state: Any) -> list[Any]:
+    return [x for x in jax.tree.leaves(opt_state, is_leaf=_is_node) if _is_node(x)]
+
+
+def has_hook(opt_state: Any) -> bool:
+    """Whether ``opt_state`` holds a PostLocalSGDState (a post_local_sgd hook)."""
+    return any(isinstance(x, PostLocalSGDState) for x in _nodes(opt_state))
+
+
+def _redundant_levels(hook: PostLocalSGDState, averager: Any) -> list[Any]:
+    """The averager's groups that lie inside the hook's gradient-averaging subgroup."""
+    if not hook.post_local_gradient_allreduce:
+        return []
+    subgroup = hook.subgroup if hook.subgroup is not None else DEFAULT_SUBGROUP
+    return [g for g in averager.groups if g is not None and _collectives.group_covers(g, subgroup)]
+
+
+def check_configuration(opt_state: Any) -> None:
+    """Checks how the post-local SGD pieces of an optimizer state fit together.
+
+    Raises when ``model_averaging`` (or ``post_local_sgd_optimizer``) comes before
+    ``post_local_sgd`` in the chain: the averager would then turn the raw gradients into
+    updates that the hook and the optimizer rescale, so no average would land. Warns,
+    once per configuration, when an averager's ``warmup_steps`` differs from the hook's
+    ``start_localSGD_iter`` (PyTorch's pairing sets them equal), and when an averaging
+    level's group lies inside the subgroup over which the hook keeps averaging gradients
+    after the switch: those replicas stay identical, so that level's all-reduce costs
+    time and changes nothing.
+
+    :func:`data_parallel_step` calls it when it traces a step; call it yourself on the
+    state of a hand-written ``shard_map`` step (static metadata only: no collective,
+    nothing waits for the device).
+
+    Args:
+      opt_state: an optax state holding PostLocalSGDState / ModelAveragerState nodes
+        (per-replica or not).
+
+    Returns:
+      None.
+
+    Raises:
+      ValueError: a model averager comes before the hook in the chain.
+
+    Example:
+      >>> import optax, lsgd_jax
+      >>> tx = optax.chain(lsgd_jax.post_local_sgd(8), optax.sgd(0.1),
+      ...     lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(4, warmup_steps=8)))
+      >>> lsgd_jax.check_configuration(tx.init({}))
+    """
+    nodes = _nodes(opt_state)
+    hooks = [(i, x) for i, x in enumerate(nodes) if isinstance(x, PostLocalSGDState)]
+    averagers = [
+        (i, x.averager)
+        for i, x in enumerate(nodes)
+        if isinstance(x, ModelAveragerState) and x.averager is not None
+    ]
+    if hooks and averagers and averagers[0][0] < hooks[0][0]:
+        raise ValueError(
+            f"{type(averagers[0][1]).__name__} comes before post_local_sgd in the optimizer "
+            "chain, so it would average the raw gradients' updates, which the hook and the "
+            "optimizer then rescale: no model average would land. Put post_local_sgd first "
+            "and model_averaging (or post_local_sgd_optimizer) last: optax.chain("
+            "lsgd_jax.post_local_sgd(...), optimizer, lsgd_jax.model_averaging(...))."
+        )
+    for _, hook in hooks:
+        for _, averager in averagers:
+            name = type(averager).__name__
+            if averager.warmup_steps != hook.start_localSGD_iter:
+                warnings.warn(
+                    f"{name} has warmup_steps={averager.warmup_steps} but post_local_sgd has "
+                    f"start_localSGD_iter={hook.start_localSGD_iter}: models are then "
+                    "averaged while gradients are still averaged globally, or local SGD runs "
+                    "without model averages. PyTorch's pairing sets both to the same step.",
+                    stacklevel=2,
+                )
+            for group in _redundant_levels(hook, averager):
+                warnings.warn(
+                    f"{name} averages over {group!r}, inside the subgroup over which "
+                    "post_local_sgd keeps averaging gradients after the switch, so those "
+                    "replicas are already identical: that all-reduce costs time and changes "
+                    "nothing. Drop that level, or pass post_local_gradient_allreduce=False "
+                    "to post_local_sgd (local SGD inside the node too).",
+                    stacklevel=2,
+                )
