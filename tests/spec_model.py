@@ -85,7 +85,7 @@ class Topology:
         return list(out.values())
 
 
-# --- means ----------------------------------------------------------------------------------
+# --- means --------------------------------------------------------------------------------
 
 
 def is_floating(x: np.ndarray) -> bool:
@@ -141,7 +141,7 @@ def used_members(finite: list[bool], policy: str) -> list[int] | None:
     raise ValueError(policy)
 
 
-# --- the hook --------------------------------------------------------------------------------
+# --- the hook -----------------------------------------------------------------------------
 
 
 @short_repr
@@ -177,7 +177,7 @@ def ddp_mean(grads: Tree, topo: Topology) -> Tree:
     return {k: group_mean(g, groups) for k, g in grads.items()}
 
 
-# --- the inner optimizer ---------------------------------------------------------------------
+# --- the inner optimizer ------------------------------------------------------------------
 
 
 @short_repr
@@ -275,7 +275,7 @@ def inner_update(cfg: InnerConfig, state: dict, grads: Tree) -> tuple[Tree, dict
     return updates, state
 
 
-# --- the averagers ---------------------------------------------------------------------------
+# --- the averagers ------------------------------------------------------------------------
 
 
 @short_repr
@@ -411,7 +411,10 @@ class AveragerState:
             return None if t is None else {k: v.copy() for k, v in t.items()}
 
         return AveragerState(
-            self.step, dup(self.anchor), dup(self.outer_trace), self.outer_count.copy(),
+            self.step,
+            dup(self.anchor),
+            dup(self.outer_trace),
+            self.outer_count.copy(),
             self.last_sync,
         )
 
@@ -577,9 +580,7 @@ def average_call(
     return Averaged(out, assigned, new_extra, level, done), new_state
 
 
-def average_model_state(
-    cfg: AveragerConfig, level: int, model_state: Tree, topo: Topology
-) -> Tree:
+def average_model_state(cfg: AveragerConfig, level: int, model_state: Tree, topo: Topology) -> Tree:
     """Rule: model state is "per replica, averaged (plain group mean, with the averager's
     nonfinite policy and communication_dtype; no delta/anchor/outer) on exactly the steps
     where the averager really ran and averaged, over that level's group; with fragments,
@@ -590,9 +591,7 @@ def average_model_state(
     mean_fn = bf16_mean if cfg.bf16 else exact_mean
     floating = [k for k in sorted(model_state) if is_floating(model_state[k])]
     for members in topo.groups(cfg.group(level)):
-        finite = [
-            all(np.isfinite(model_state[k][r]).all() for k in floating) for r in members
-        ]
+        finite = [all(np.isfinite(model_state[k][r]).all() for k in floating) for r in members]
         used = used_members(finite, cfg.nonfinite)
         if used is None:
             continue
@@ -602,7 +601,7 @@ def average_model_state(
     return out
 
 
-# --- a run ------------------------------------------------------------------------------------
+# --- a run --------------------------------------------------------------------------------
 
 
 @short_repr
@@ -752,7 +751,9 @@ def _snapshot(cfg: RunConfig, rp: Replay, loss: Any) -> Snapshot:
         if acfg.outer is not None:
             snap["averager/outer_count"] = a.outer_count.copy()
             if a.outer_trace is not None:
-                snap.update({f"averager/outer_trace/{k}": v.copy() for k, v in a.outer_trace.items()})
+                snap.update(
+                    {f"averager/outer_trace/{k}": v.copy() for k, v in a.outer_trace.items()}
+                )
         if isinstance(acfg.period, str) and acfg.kind == "periodic":
             snap["averager/last_sync"] = np.full(cfg.topo.size, a.last_sync, np.int32)
     if cfg.model_state:
