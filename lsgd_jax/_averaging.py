@@ -23,9 +23,9 @@ import numpy as np
 import optax
 from jax import lax
 
-from lsgd_jax import _collectives
+from lsgd_jax import _collectives, _validate
 from lsgd_jax._collectives import Group, GroupSpec
-from lsgd_jax._state import check_nonnegative_int, logger
+from lsgd_jax._state import logger
 
 _PERIOD_ONE = (
     "When period is 1, no need to use model averaging because the communication cost of "
@@ -74,21 +74,14 @@ _OPTIONS_DOC = """
 """
 
 
-def _check_period(period: Any, name: str) -> int:
-    if isinstance(period, bool) or not isinstance(period, (int, np.integer)):
-        raise TypeError(f"{name} must be a Python int, got {period!r}.")
-    if period < 1:
-        raise ValueError(f"{name} must be a positive value, got {period}; use 1 or more.")
-    return int(period)
-
-
 def _check_nonfinite(policy: Any) -> None:
-    if policy not in NONFINITE_POLICIES:
-        raise ValueError(
-            f"nonfinite must be one of {NONFINITE_POLICIES}, got {policy!r}: 'propagate' "
-            "(PyTorch's behaviour: a NaN spreads to the whole group), 'exclude' (average "
-            "the finite replicas only) or 'skip' (no average for a group with a NaN)."
-        )
+    _validate.one_of(
+        policy,
+        "nonfinite",
+        NONFINITE_POLICIES,
+        ": 'propagate' (PyTorch's behaviour: a NaN spreads to the whole group), 'exclude' "
+        "(average the finite replicas only) or 'skip' (no average for a group with a NaN)",
+    )
 
 
 def _log_nonfinite(policy: str, step: Any, replica: Any, excluded: Any) -> None:
@@ -269,8 +262,7 @@ class _Averager:
                 f"{self.outer_optimizer!r}; e.g. optax.sgd(0.7, momentum=0.9, nesterov=True)."
             )
         for flag in ("delta", "outer_skip_first"):
-            if not isinstance(getattr(self, flag), bool):
-                raise TypeError(f"{flag} must be True or False, got {getattr(self, flag)!r}.")
+            object.__setattr__(self, flag, _validate.boolean(getattr(self, flag), flag))
         if self.communication_dtype is not None:
             dtype = jnp.dtype(self.communication_dtype)
             if not jnp.issubdtype(dtype, jnp.floating):
@@ -833,18 +825,18 @@ class PeriodicModelAverager(_Averager):
     def __post_init__(self) -> None:
         self._check_options()
         if not callable(self.period):
-            object.__setattr__(self, "period", _check_period(self.period, "period"))
+            object.__setattr__(self, "period", _validate.positive_int(self.period, "period"))
             if self.period == 1:
                 warnings.warn(_PERIOD_ONE, stacklevel=3)
         object.__setattr__(
-            self, "warmup_steps", check_nonnegative_int(self.warmup_steps, "warmup_steps")
+            self, "warmup_steps", _validate.nonnegative_int(self.warmup_steps, "warmup_steps")
         )
         object.__setattr__(
             self,
             "process_group",
             _collectives.normalize_group(self.process_group, "process_group"),
         )
-        k = _check_period(self.fragments, "fragments")
+        k = _validate.positive_int(self.fragments, "fragments")
         if k > 1:
             if callable(self.period) or self.period % k:
                 raise ValueError(
@@ -978,7 +970,7 @@ class HierarchicalModelAverager(_Averager):
                 f"period_group_dict must be a non-empty dict of period -> group axes, got "
                 f"{d!r}; e.g. {{4: 'local', 16: ('node', 'local')}}."
             )
-        periods = [_check_period(p, f"period {p!r} in period_group_dict") for p in d]
+        periods = [_validate.positive_int(p, f"period {p!r} in period_group_dict") for p in d]
         if any(b <= a for a, b in zip(periods, periods[1:])):
             raise ValueError(
                 f"The periods of period_group_dict must be strictly increasing (smallest "
@@ -992,7 +984,7 @@ class HierarchicalModelAverager(_Averager):
             )
         object.__setattr__(self, "period_group_dict", tuple(zip(periods, groups)))
         object.__setattr__(
-            self, "warmup_steps", check_nonnegative_int(self.warmup_steps, "warmup_steps")
+            self, "warmup_steps", _validate.nonnegative_int(self.warmup_steps, "warmup_steps")
         )
         pg = _collectives.normalize_group(self.process_group, "process_group")
         object.__setattr__(self, "process_group", pg)

@@ -10,22 +10,13 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from lsgd_jax import _collectives
+from lsgd_jax import _collectives, _validate
 from lsgd_jax._collectives import GroupSpec
 
 logger = logging.getLogger("lsgd_jax")
 
 _META = ("process_group", "subgroup", "start_localSGD_iter", "post_local_gradient_allreduce")
 _STATIC = (*_META, "pinned_phase")
-
-
-def check_nonnegative_int(value: Any, name: str) -> int:
-    """Returns ``value`` as an int; raises if it is not a non-negative integer."""
-    if isinstance(value, bool) or not isinstance(value, (int, jnp.integer)):
-        raise TypeError(f"{name} must be a Python int, got {value!r} ({type(value).__name__}).")
-    if value < 0:
-        raise ValueError(f"{name} must be a non-negative number, got {value}; use 0 or more.")
-    return int(value)
 
 
 def _log_start(iteration: Any) -> None:
@@ -76,12 +67,10 @@ class PostLocalSGDState:
         start_localSGD_iter: int,
         post_local_gradient_allreduce: bool = True,
     ) -> None:
-        start = check_nonnegative_int(start_localSGD_iter, "start_localSGD_iter")
-        if not isinstance(post_local_gradient_allreduce, bool):
-            raise TypeError(
-                "post_local_gradient_allreduce must be True or False, got "
-                f"{post_local_gradient_allreduce!r}."
-            )
+        start = _validate.nonnegative_int(start_localSGD_iter, "start_localSGD_iter")
+        post_local_gradient_allreduce = _validate.boolean(
+            post_local_gradient_allreduce, "post_local_gradient_allreduce"
+        )
         self._set(
             jnp.zeros([], jnp.int32),
             _collectives.normalize_group(process_group, "process_group"),

@@ -14,7 +14,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lsgd_jax import _collectives, _pairing, _phase
+from lsgd_jax import _collectives, _pairing, _phase, _validate
 from lsgd_jax._averaging import ModelAveragerState
 from lsgd_jax._mesh import _num_replicas, data_axes
 from lsgd_jax._sync import assert_replicas_in_sync
@@ -301,15 +301,12 @@ def data_parallel_step(
             "axes=<its data-parallel axes> or build it with lsgd_jax.make_mesh()."
         )
     n = _num_replicas(mesh, axes)
-    if check_in_sync_every is not None and (
-        isinstance(check_in_sync_every, bool)
-        or not isinstance(check_in_sync_every, int)
-        or check_in_sync_every < 1
-    ):
-        raise ValueError(
-            "data_parallel_step: check_in_sync_every must be a positive int or None, got "
-            f"{check_in_sync_every!r}."
-        )
+    check_in_sync_every = _validate.optional_positive_int(
+        check_in_sync_every, "data_parallel_step: check_in_sync_every"
+    )
+    max_in_flight = _validate.optional_positive_int(
+        max_in_flight, "data_parallel_step: max_in_flight"
+    )
     rep = P(axes)
     value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux or with_model_state)
 
@@ -361,10 +358,6 @@ def data_parallel_step(
             _check_replicated(model_state, "model_state", n, mesh, axes)
         _check_batch(batch, n, mesh, axes)
 
-    if max_in_flight is not None and max_in_flight < 1:
-        raise ValueError(
-            f"data_parallel_step: max_in_flight must be >= 1 or None, got {max_in_flight}."
-        )
     return DataParallelStep(
         jitted,
         check,
