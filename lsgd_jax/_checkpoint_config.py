@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from lsgd_jax._averaging import ModelAveragerState
+from lsgd_jax._averager_state import ModelAveragerState
 from lsgd_jax._state import _META as _HOOK_FIELDS
 from lsgd_jax._state import PostLocalSGDState
 

@@ -445,3 +445,12 @@ def compressed_mean(tree: Any, group: Group, dtype: Any, cast: bool = True) -> A
         piece = piece.astype(x.dtype)
         out[i] = cast_varying(piece, vma(x)) if cast else piece
     return jax.tree.unflatten(treedef, out)
+
+
+def cast_like(tree: Any, like: Any) -> Any:
+    """``tree`` with the dtypes and varying-axes types of ``like`` (cond branches agree)."""
+    return jax.tree.map(
+        lambda x, y: cast_varying(jnp.asarray(x).astype(y.dtype), vma(y)),
+        tree,
+        like,
+    )

@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lsgd_jax import _collectives
-from lsgd_jax._averaging import Averager, ModelAveragerState, _check_state, check_averager
+from lsgd_jax import _average_call, _collectives
+from lsgd_jax._averager_state import ModelAveragerState, check_state
+from lsgd_jax._averaging import Averager, check_averager
 
 
 def averaged_updates(
@@ -24,7 +25,7 @@ def averaged_updates(
     Returns:
       ``(updates, extra, new_state)``.
     """
-    _check_state(state, "model_averaging", averager)
+    check_state(state, "model_averaging", averager)
 
     def prepare(op):
         u, p, e = op
@@ -47,8 +48,8 @@ def averaged_updates(
         u, p, e = op
         return _collectives.cast_tree_like(u, u, p), e
 
-    (updates, extra), state = averager._apply(
-        (updates, params, extra), state, prepare, finish, passthrough
+    (updates, extra), state = _average_call.run(
+        averager, (updates, params, extra), state, prepare, finish, passthrough
     )
     return updates, extra, averager._advance(state)
 

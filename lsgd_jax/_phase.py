@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lsgd_jax._averaging import ModelAveragerState
+from lsgd_jax._averager_state import ModelAveragerState
 from lsgd_jax._state import PostLocalSGDState
 
 

@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lsgd_jax import _collectives, _pairing, _phase, _validate
-from lsgd_jax._averaging import ModelAveragerState
+from lsgd_jax._averager_state import ModelAveragerState
 from lsgd_jax._mesh import _num_replicas, data_axes
 from lsgd_jax._sync import assert_replicas_in_sync
 
