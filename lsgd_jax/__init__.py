@@ -32,6 +32,7 @@ from lsgd_jax._state import PostLocalSGDState
 from lsgd_jax._pairing import check_configuration
 from lsgd_jax._phase import num_phases
 from lsgd_jax._phase import phase_index
+from lsgd_jax._phase import replay_phases
 from lsgd_jax._step import DataParallelStep
 from lsgd_jax._step import averager_states
 from lsgd_jax._step import data_parallel_step
@@ -78,6 +79,7 @@ __all__ = [
     "post_localSGD_hook",
     "post_local_sgd",
     "post_local_sgd_optimizer",
+    "replay_phases",
     "replicate",
     "restore_checkpoint",
     "save_checkpoint",

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 from jax import lax
 
-from lsgd_jax import _collectives, _fragments, _outer
+from lsgd_jax import _collectives, _fragments, _outer, comm
 from lsgd_jax._averager_state import ModelAveragerState
 
 
@@ -57,8 +57,8 @@ def average_level(
     a_in = cut.take(anchor) if anchor is not None else None
     x = _outer.delta_of(p_in, a_in) if averager.delta else p_in
     # Uncast means: a global mean is invariant, so it can become a replicated anchor.
-    (mean_x, mean_e), skipped, comm_state = averager.communicator.mean(
-        (x, e_in), group, state.comm_state, cast=False, step=state.step
+    (mean_x, mean_e), skipped, comm_state = comm.apply(
+        averager.communicator, (x, e_in), group, state.comm_state, cast=False, step=state.step
     )
     state = state.replace(comm_state=comm_state)
     new_p = _outer.undelta(a_in, mean_x, p_in) if averager.delta else mean_x
@@ -115,7 +115,7 @@ def alongside(averager: Any, tree: Any, state: ModelAveragerState) -> Any:
     optimizer or fragments; the strategy's state is not advanced)."""
 
     def mean(t, group):
-        return averager.communicator.mean(t, group, None, step=state.step).value
+        return comm.apply(averager.communicator, t, group, None, step=state.step).value
 
     branches = [lambda t: t] + [
         functools.partial(mean, group=group) for group, _, _ in averager._branch_groups()

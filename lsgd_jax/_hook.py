@@ -88,7 +88,7 @@ def post_localSGD_hook(state: PostLocalSGDState, grads: Any) -> tuple[Any, PostL
     communication = state.communication or comm.flat()
 
     def mean(grads, group):
-        return communication.mean(grads, group, None, step=state.iter).value
+        return comm.apply(communication, grads, group, None, step=state.iter).value
 
     def global_step(grads, state):
         return mean(grads, global_group), state.maybe_increase_iter()

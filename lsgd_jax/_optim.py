@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ import optax
 from lsgd_jax import _average_call, _collectives
 from lsgd_jax._averager_state import ModelAveragerState, check_state
 from lsgd_jax._averaging import Averager, check_averager
+from lsgd_jax._struct import Struct, pytree_dataclass
 
 
 def averaged_updates(
@@ -108,11 +110,14 @@ def model_averaging(averager: Averager) -> optax.GradientTransformationExtraArgs
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-class PostLocalSGDOptimizerState(NamedTuple):
+@pytree_dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
+class PostLocalSGDOptimizerState(Struct):
     """The state of :func:`post_local_sgd_optimizer`.
 
     Attributes:
-      inner_state: the wrapped optimizer's state (never averaged).
+      inner_state: the wrapped optimizer's state (never averaged, unless chosen with
+        ``average_opt_state``).
       averager_state: the averager's ModelAveragerState; restoring it from a checkpoint
         keeps the averaging schedule (no second warm-up).
     """

@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lsgd_jax._averager_state import ModelAveragerState
 from lsgd_jax._state import PostLocalSGDState
@@ -107,3 +108,49 @@ def unpin(opt_state: Any) -> Any:
         opt_state,
         is_leaf=_is_state,
     )
+
+
+def _first(x: Any) -> int:
+    """Replica 0's value of a counter (per-replica or not), as a Python int."""
+    return int(np.asarray(x).reshape(-1)[0])
+
+
+def replay_phases(opt_state: Any, num_steps: int) -> np.ndarray:
+    """The phase index of each of the next ``num_steps`` steps, replayed in plain Python.
+
+    From the counters in ``opt_state`` (per-replica or not; replica 0's are read), each
+    hook and averager is stepped by its own rule (``sync_schedule``), assuming one update
+    per step (under ``optax.MultiSteps`` the states advance once per emitted update).
+    What benchmarks and examples use to know, without running anything, which branch of
+    the step (and so which collectives) each step takes.
+
+    Args:
+      opt_state: an optax state, e.g. ``tx.init(params)`` or a replicated one.
+      num_steps: how many steps.
+
+    Returns:
+      An int32 array of :func:`phase_index` values, one per step.
+
+    Example:
+      >>> import optax, lsgd_jax
+      >>> tx = optax.chain(lsgd_jax.post_local_sgd(2), optax.sgd(0.1),
+      ...     lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(2, warmup_steps=2)))
+      >>> lsgd_jax.replay_phases(tx.init({}), 6).tolist()   # hook 1 then 0; averages at 2, 4
+      [2, 2, 1, 0, 1, 0]
+    """
+    index = np.zeros(num_steps, np.int64)
+    for state in _branching(opt_state):
+        if isinstance(state, PostLocalSGDState):
+            first = _first(state.iter)
+            digits = [int(first + t < state.start_localSGD_iter) for t in range(num_steps)]
+        else:
+            schedule = state.averager.sync_schedule
+            step = _first(state.step)
+            last = _first(state.last_sync) if state.last_sync is not None else 0
+            digits = []
+            for s in range(step, step + num_steps):
+                level = schedule.level(s, last)
+                digits.append(level)
+                last = s if level else last
+        index = index * state.num_phases + np.asarray(digits, np.int64)
+    return index.astype(np.int32)

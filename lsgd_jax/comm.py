@@ -199,6 +199,43 @@ class Compressed(Communication):
         del tree
 
 
+def apply(
+    strategy: Communication,
+    tree: Any,
+    group: Group,
+    state: Any = None,
+    *,
+    cast: bool = True,
+    step: Any = None,
+) -> Mean:
+    """``strategy.mean(...)``, with each leaf given back its dtype (and, with ``cast``,
+    its varying-axes type): what the hook and the averagers call, so that a strategy
+    written elsewhere need not restore types itself.
+
+    Args:
+      strategy: a :class:`Communication`.
+      tree, group, state, cast, step: as for :meth:`Communication.mean`.
+
+    Returns:
+      A :class:`Mean`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, lsgd_jax
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = lsgd_jax.make_mesh(2, 2)
+      >>> f = jax.jit(jax.shard_map(
+      ...     lambda x: lsgd_jax.comm.apply(lsgd_jax.comm.flat(), x, ("node", "local")).value,
+      ...     mesh=mesh, in_specs=P(("node", "local")), out_specs=P(("node", "local"))))
+      >>> f(jnp.arange(4.0))
+      Array([1.5, 1.5, 1.5, 1.5], dtype=float32)
+    """
+    out = strategy.mean(tree, group, state, cast=cast, step=step)
+    value = jax.tree.map(lambda v, x: jnp.asarray(v).astype(jnp.result_type(x)), out.value, tree)
+    if cast:
+        value = _collectives.cast_tree_like(value, tree)
+    return Mean(value, out.skipped, out.state)
+
+
 def flat() -> Flat:
     """Today's default: one all-reduce of all floating leaves, divided by the group size.
 
@@ -272,6 +309,7 @@ __all__ = [
     "FiniteOnly",
     "Flat",
     "Mean",
+    "apply",
     "compressed",
     "finite_only",
     "flat",
