@@ -92,3 +92,29 @@ def check_state(state: Any, what: str, averager: Any) -> None:
             "params of the last global average in its state; create the state with "
             "averager.init(params)."
         )
+
+
+def initial_state(averager: Any, params: Any = None) -> ModelAveragerState:
+    """``averager.init(params)``: step 0, and what the averager's options keep.
+
+    The anchor and the outer optimizer's state need the params (an error says so when
+    they are missing); a callable period keeps the step of the last average; the
+    communication strategy its own state.
+    """
+    state = ModelAveragerState(step=jnp.zeros([], jnp.int32), averager=averager)
+    if averager.needs_params:
+        if params is None:
+            raise ValueError(
+                f"{type(averager).__name__} with outer_optimizer or delta needs the initial "
+                "params: call averager.init(params)."
+            )
+        anchor = jax.tree.map(jnp.asarray, params)
+        state = state.replace(anchor=anchor)
+        if averager.outer_optimizer is not None:
+            state = state.replace(
+                outer_state=averager.outer_optimizer.init(anchor),
+                outer_count=jnp.zeros([], jnp.int32),
+            )
+    if averager.sync_schedule.tracks_last_sync:
+        state = state.replace(last_sync=jnp.zeros([], jnp.int32))
+    return state.replace(comm_state=averager.communicator.init(params))

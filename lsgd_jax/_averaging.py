@@ -17,12 +17,11 @@ from collections.abc import Callable, Mapping
 from typing import Any, Union
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 from lsgd_jax import _average_call, _collectives, _fragments, _validate, comm
-from lsgd_jax._averager_state import ModelAveragerState, check_state
+from lsgd_jax._averager_state import ModelAveragerState, check_state, initial_state
 from lsgd_jax._collectives import Group, GroupSpec
 from lsgd_jax._schedule import AdaptiveSchedule, HierarchicalSchedule, PeriodicSchedule
 from lsgd_jax._state import logger
@@ -106,6 +105,30 @@ def _communicator(averager: Any) -> comm.Communication:
     return comm.flat()
 
 
+def _check_options(self: Any) -> None:
+    """Validates (and normalizes) the options both averagers share."""
+    _validate.one_of(
+        self.nonfinite,
+        "nonfinite",
+        NONFINITE_POLICIES,
+        ": 'propagate' (PyTorch's behaviour: a NaN spreads to the whole group), 'exclude' "
+        "(average the finite replicas only) or 'skip' (no average for a group with a NaN)",
+    )
+    if self.outer_optimizer is not None and not isinstance(
+        self.outer_optimizer, optax.GradientTransformation
+    ):
+        raise TypeError(
+            f"outer_optimizer must be an optax GradientTransformation, got "
+            f"{self.outer_optimizer!r}; e.g. optax.sgd(0.7, momentum=0.9, nesterov=True)."
+        )
+    for flag in ("delta", "outer_skip_first"):
+        object.__setattr__(self, flag, _validate.boolean(getattr(self, flag), flag))
+    if self.communication_dtype is not None:
+        dtype = comm.compressed(self.communication_dtype).dtype
+        object.__setattr__(self, "communication_dtype", dtype)
+    _communicator(self)
+
+
 class _Averager(abc.ABC):
     """What both averagers share: options, state, and the public calls.
 
@@ -135,28 +158,6 @@ class _Averager(abc.ABC):
     def _branch_groups(self) -> list[tuple[Group, Any, bool]]:
         """One ``(resolved group, fragment or None, is_global)`` per level, where it runs."""
 
-    def _check_options(self) -> None:
-        _validate.one_of(
-            self.nonfinite,
-            "nonfinite",
-            NONFINITE_POLICIES,
-            ": 'propagate' (PyTorch's behaviour: a NaN spreads to the whole group), 'exclude' "
-            "(average the finite replicas only) or 'skip' (no average for a group with a NaN)",
-        )
-        if self.outer_optimizer is not None and not isinstance(
-            self.outer_optimizer, optax.GradientTransformation
-        ):
-            raise TypeError(
-                f"outer_optimizer must be an optax GradientTransformation, got "
-                f"{self.outer_optimizer!r}; e.g. optax.sgd(0.7, momentum=0.9, nesterov=True)."
-            )
-        for flag in ("delta", "outer_skip_first"):
-            object.__setattr__(self, flag, _validate.boolean(getattr(self, flag), flag))
-        if self.communication_dtype is not None:
-            dtype = comm.compressed(self.communication_dtype).dtype
-            object.__setattr__(self, "communication_dtype", dtype)
-        _communicator(self)
-
     @property
     def communicator(self) -> comm.Communication:
         """The communication strategy of the averages (from ``communication`` or the
@@ -176,23 +177,13 @@ class _Averager(abc.ABC):
 
     @property
     def num_levels(self) -> int:
-        """How many nonzero levels ``level`` / ``schedule`` can return.
-
-        Example:
-          >>> import lsgd_jax
-          >>> lsgd_jax.PeriodicModelAverager(8, fragments=4).num_levels
-          4
-        """
+        """How many nonzero levels ``level`` / ``schedule`` can return (one per group,
+        or per fragment)."""
         return self.sync_schedule.num_levels
 
     def is_global(self, level: int) -> bool:
-        """Whether an average at ``level`` spans the global group (crosses every node).
-
-        Args:
-          level: a level from ``level`` or ``schedule`` (0: no average).
-
-        Returns:
-          True for the last group's level (every fragment, with fragments).
+        """Whether an average at ``level`` (0: none) spans the global group: the last
+        group's level, or every fragment's.
 
         Example:
           >>> import lsgd_jax
@@ -204,30 +195,14 @@ class _Averager(abc.ABC):
 
     @property
     def cycle(self) -> int | None:
-        """The length of the schedule's cycle after the warm-up (None: no cycle).
-
-        The level at step ``s >= warmup_steps`` equals the level at ``s + cycle``: the
-        period (periodic), the least common multiple of the periods (hierarchical), or
-        None for a callable period.
-
-        Example:
-          >>> import lsgd_jax
-          >>> lsgd_jax.HierarchicalModelAverager({4: "local", 6: ("node", "local")}).cycle
-          12
-        """
+        """The schedule's cycle after the warm-up: the period (periodic), the least common
+        multiple of the periods (hierarchical), None for a callable period."""
         return self.sync_schedule.cycle
 
     def schedule(self, num_steps: int) -> np.ndarray:
-        """The level of every call from step 0 to ``num_steps - 1``, as a numpy array.
-
-        Works for every option (a callable period included), so it is the way to count
-        averages, e.g. ``sum(map(avg.is_global, avg.schedule(1000)))`` global ones.
-
-        Args:
-          num_steps: how many calls.
-
-        Returns:
-          An int array of levels (0: no average).
+        """The level of every call from step 0 to ``num_steps - 1`` (0: no average), for
+        every option (a callable period included): the way to count averages, e.g.
+        ``sum(map(avg.is_global, avg.schedule(1000)))`` global ones.
 
         Example:
           >>> import lsgd_jax
@@ -251,23 +226,7 @@ class _Averager(abc.ABC):
           >>> int(lsgd_jax.PeriodicModelAverager(4).init().step)
           0
         """
-        state = ModelAveragerState(step=jnp.zeros([], jnp.int32), averager=self)
-        if self.needs_params:
-            if params is None:
-                raise ValueError(
-                    f"{type(self).__name__} with outer_optimizer or delta needs the initial "
-                    "params: call averager.init(params)."
-                )
-            anchor = jax.tree.map(jnp.asarray, params)
-            state = state.replace(anchor=anchor)
-            if self.outer_optimizer is not None:
-                state = state.replace(
-                    outer_state=self.outer_optimizer.init(anchor),
-                    outer_count=jnp.zeros([], jnp.int32),
-                )
-        if self.sync_schedule.tracks_last_sync:
-            state = state.replace(last_sync=jnp.zeros([], jnp.int32))
-        return state.replace(comm_state=self.communicator.init(params))
+        return initial_state(self, params)
 
     def _advance(self, state: ModelAveragerState) -> ModelAveragerState:
         """The state after one more call (see ``_schedule._Schedule.next_step``)."""
@@ -434,7 +393,7 @@ class PeriodicModelAverager(_Averager):
     communication: Any = _options()["communication"]
 
     def __post_init__(self) -> None:
-        self._check_options()
+        _check_options(self)
         warmup = _validate.nonnegative_int(self.warmup_steps, "warmup_steps")
         object.__setattr__(self, "warmup_steps", warmup)
         k = _validate.positive_int(self.fragments, "fragments")
@@ -543,7 +502,7 @@ class HierarchicalModelAverager(_Averager):
     communication: Any = _options()["communication"]
 
     def __post_init__(self) -> None:
-        self._check_options()
+        _check_options(self)
         d = self.period_group_dict
         if not isinstance(d, Mapping) or not d:
             raise ValueError(
