@@ -32,8 +32,8 @@ def _is_state(x: Any) -> bool:
     return isinstance(x, (PostLocalSGDState, ModelAveragerState))
 
 
-def _branching(opt_state: Any) -> list[Any]:
-    """The states with more than one phase, in tree order."""
+def branching_states(opt_state: Any) -> list[Any]:
+    """The hook and averager states with more than one phase, in tree order."""
     leaves = jax.tree.leaves(opt_state, is_leaf=_is_state)
     return [x for x in leaves if _is_state(x) and x.num_phases > 1]
 
@@ -58,7 +58,7 @@ def num_phases(opt_state: Any) -> int:
       4
     """
     n = 1
-    for state in _branching(opt_state):
+    for state in branching_states(opt_state):
         n *= state.num_phases
     return n
 
@@ -86,7 +86,7 @@ def phase_index(opt_state: Any) -> jax.Array:
       2
     """
     index = jnp.zeros([], jnp.int32)
-    for state in _branching(opt_state):
+    for state in branching_states(opt_state):
         index = index * state.num_phases + state.phase
     return index
 
@@ -111,8 +111,33 @@ def unpin(opt_state: Any) -> Any:
 
 
 def _first(x: Any) -> int:
-    """Replica 0's value of a counter (per-replica or not), as a Python int."""
+    """The first value of a counter held here (per-replica or not), as a Python int;
+    the replicas' counters agree, so any process reads its own."""
+    if isinstance(x, jax.Array):
+        x = x.addressable_data(0)
     return int(np.asarray(x).reshape(-1)[0])
+
+
+def counters_snapshot(opt_state: Any) -> list[Any]:
+    """The branching states with their counters as host ints and nothing else: what a
+    replay needs, read from this process's own shards (a few ints, any process)."""
+    out = []
+    for state in branching_states(opt_state):
+        if isinstance(state, PostLocalSGDState):
+            out.append(state.replace(iter=_first(state.iter)))
+        else:
+            last = _first(state.last_sync) if state.last_sync is not None else None
+            out.append(
+                state.replace(
+                    step=_first(state.step),
+                    last_sync=last,
+                    anchor=None,
+                    outer_state=None,
+                    outer_count=None,
+                    comm_state=None,
+                )
+            )
+    return out
 
 
 def replay_phases(opt_state: Any, num_steps: int) -> np.ndarray:
@@ -139,7 +164,7 @@ def replay_phases(opt_state: Any, num_steps: int) -> np.ndarray:
       [2, 2, 1, 0, 1, 0]
     """
     index = np.zeros(num_steps, np.int64)
-    for state in _branching(opt_state):
+    for state in branching_states(opt_state):
         if isinstance(state, PostLocalSGDState):
             first = _first(state.iter)
             digits = [int(first + t < state.start_localSGD_iter) for t in range(num_steps)]
