@@ -26,6 +26,7 @@ from lsgd_jax._schedule import AdaptiveSchedule
 from lsgd_jax._schedule import HierarchicalSchedule
 from lsgd_jax._schedule import PeriodicSchedule
 from lsgd_jax._report import Collective
+from lsgd_jax._stacked import stacked
 from lsgd_jax._report import CommunicationReport
 from lsgd_jax._report import communication_report
 from lsgd_jax._state import PostLocalSGDState
@@ -83,6 +84,7 @@ __all__ = [
     "replicate",
     "restore_checkpoint",
     "save_checkpoint",
+    "stacked",
     "step_counters",
     "unreplicate",
 ]

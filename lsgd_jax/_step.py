@@ -110,6 +110,7 @@ def data_parallel_step(
     max_in_flight: int | None = 8,
     check_in_sync_every: int | None = None,
     specialize: bool | str = True,
+    lowering: str = "shard_map",
 ) -> DataParallelStep:
     """A jitted, donated ``shard_map`` training step over per-replica params and state.
 
@@ -184,6 +185,13 @@ def data_parallel_step(
         see benchmarks/overhead.py). The pin is static metadata of the states, so a
         ``jax.jit`` or ``jax.checkpoint`` around ``tx.update`` traces each phase apart.
         A collective's ``branch`` in :func:`communication_report` is the phase index.
+      lowering: ``"shard_map"`` (default): the whole per-replica step runs inside one
+        ``jax.shard_map`` over the data axes. ``"jit"``: for pjit-style code that never
+        writes ``shard_map``: ``loss_fn`` runs under plain ``jax.jit``, mapped over the
+        replica axis with ``jax.vmap`` (model axes sharded by the compiler, as in the
+        rest of such a codebase), and only the update, whose means must name the data
+        axes, runs inside a ``shard_map`` of its own. The same signature, layout,
+        collectives (each conditional on its phase as before) and numbers.
       check_in_sync_every: on the first call and then every this many calls, run
         :func:`assert_replicas_in_sync` on the incoming optimizer state, so that replicas
         or processes whose step counters differ fail with an error instead of hanging
@@ -225,7 +233,14 @@ def data_parallel_step(
         raise ValueError(
             f"data_parallel_step: specialize must be True, False or 'switch', got {specialize!r}."
         )
-    spec = StepSpec(loss_fn, tx, mesh, axes, has_aux, with_model_state, donate)
+    _validate.one_of(
+        lowering,
+        "data_parallel_step: lowering",
+        ("shard_map", "jit"),
+        ": 'shard_map' (the whole step in one shard_map) or 'jit' (the loss under plain "
+        "jax.jit, the collectives in a shard_map of their own)",
+    )
+    spec = StepSpec(loss_fn, tx, mesh, axes, has_aux, with_model_state, donate, lowering)
     return DataParallelStep(
         spec,
         specialize=specialize,

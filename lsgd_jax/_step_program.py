@@ -24,11 +24,12 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lsgd_jax import _collectives, _outer, _pairing, _phase
 from lsgd_jax._averager_state import ModelAveragerState
+from lsgd_jax._mesh import _num_replicas
 
 MAX_PHASES = 16
 
@@ -111,6 +112,7 @@ class StepSpec:
     has_aux: bool
     with_model_state: bool
     donate: bool
+    lowering: str = "shard_map"
 
     def gradients(self, params: Any, model_state: Any, batch: Any) -> tuple:
         """``(loss, aux, grads, new model state)`` of this replica's loss."""
@@ -127,10 +129,10 @@ class StepSpec:
             loss, grads = value_and_grad(params, batch)
         return loss, aux, grads, model_state
 
-    def whole_step(self, operands: tuple, phase: int | None) -> tuple:
-        """One replica's step, with every state pinned to ``phase`` (None: no pin)."""
-        params, model_state, opt_state, batch = operands
-        loss, aux, grads, model_state = self.gradients(params, model_state, batch)
+    def update(self, operands: tuple, phase: int | None) -> tuple:
+        """One replica's update from its gradients: ``(params, model_state, opt_state)``
+        after ``tx``, every state pinned to ``phase`` (None: no pin)."""
+        params, model_state, opt_state, grads = operands
         if not _pairing.has_hook(opt_state):  # no post_local_sgd: DDP
             with jax.named_scope("ddp"):
                 grads = _collectives.mean(grads, self.axes)
@@ -140,17 +142,23 @@ class StepSpec:
         params = optax.apply_updates(params, updates)
         if self.with_model_state:
             model_state = _average_like_params(model_state, opt_state, new_opt_state)
-        return params, model_state, _phase.unpin(new_opt_state), loss, aux
+        return params, model_state, _phase.unpin(new_opt_state)
+
+    def whole_step(self, operands: tuple, phase: int | None) -> tuple:
+        """One replica's step: gradients, then :meth:`update`; and the loss and aux."""
+        params, model_state, opt_state, batch = operands
+        loss, aux, grads, model_state = self.gradients(params, model_state, batch)
+        out = self.update((params, model_state, opt_state, grads), phase)
+        return (*out, loss, aux)
 
 
-def _switch_over_phases(spec: StepSpec, operands: tuple) -> tuple:
-    """The whole step traced once per phase, under one ``lax.switch`` on the counters."""
+def _switch_over_phases(work: Callable[..., tuple], operands: tuple, axes: frozenset) -> tuple:
+    """``work`` traced once per phase, under one ``lax.switch`` on the counters."""
     opt_state = operands[2]
-    axes = frozenset(spec.axes)
 
     def branch(k):
         def run(*ops):
-            out = spec.whole_step(ops, k)
+            out = work(ops, k)
             # every branch returns per-replica values: type them all alike
             return jax.tree.map(lambda x: _collectives.cast_varying(x, axes), out)
 
@@ -160,44 +168,81 @@ def _switch_over_phases(spec: StepSpec, operands: tuple) -> tuple:
     return lax.switch(_phase.phase_index(opt_state), branches, *operands)
 
 
+def _replica_body(spec: StepSpec, mode: int | str, work: Callable[..., tuple]) -> Callable:
+    """The per-replica body of a ``shard_map`` over the data axes, for ``mode``.
+
+    ``work(operands, phase) -> (params, model_state, opt_state, loss, aux)``, where
+    ``operands`` is ``(params, model_state, opt_state, x)`` of one replica (the leading
+    replica axis squeezed off params, model state and optimizer state).
+    """
+    axes = frozenset(spec.axes)
+
+    def body(params, model_state, opt_state, *rest):
+        params, model_state, opt_state = jax.tree.map(
+            lambda x: x[0], (params, model_state, opt_state)
+        )
+        check_optimizer(opt_state)
+        operands = (params, model_state, opt_state, *rest)
+        n = _phase.num_phases(opt_state)
+        ok = jnp.ones([], bool)
+        if isinstance(mode, int):
+            *new, loss, aux = work(operands, mode)
+            ok = _phase.phase_index(opt_state) == mode
+            out = _outer.select(ok, tuple(new), (params, model_state, opt_state))
+        elif mode == "switch" and 1 < n <= MAX_PHASES:
+            *out, loss, aux = _switch_over_phases(work, operands, axes)
+        else:
+            *out, loss, aux = work(operands, None)
+        out = jax.tree.map(lambda x: x[None], tuple(out))
+        with jax.named_scope("metrics"):
+            loss, aux = lax.pmean(loss, spec.axes), _metrics_mean(aux, spec.axes)
+        return (*out, loss, aux, _collectives.cast_varying(ok, axes)[None])
+
+    return body
+
+
 def program(spec: StepSpec, mode: int | str) -> Any:
     """The jitted step ``(params, model_state, opt_state, batch) -> (params, model_state,
     opt_state, loss, aux, ok)`` for ``mode``: a phase (int), ``"switch"`` or ``"cond"``.
 
     ``ok`` (one bool per replica) is false where a phase program met a state in another
-    phase; it then returned its inputs unchanged.
+    phase; it then returned its inputs unchanged. With ``spec.lowering == "jit"`` the
+    user's loss runs under plain ``jax.jit``, mapped over the replica axis, and only the
+    update (whose collectives need the data axes bound) runs in a ``shard_map``.
     """
     rep = P(spec.axes)
-
-    def body(params, model_state, opt_state, batch):
-        params, model_state, opt_state = jax.tree.map(
-            lambda x: x[0], (params, model_state, opt_state)
-        )
-        check_optimizer(opt_state)
-        operands = (params, model_state, opt_state, batch)
-        n = _phase.num_phases(opt_state)
-        ok = jnp.ones([], bool)
-        if isinstance(mode, int):
-            new_params, new_ms, new_opt, loss, aux = spec.whole_step(operands, mode)
-            ok = _phase.phase_index(opt_state) == mode
-            out = _outer.select(ok, (new_params, new_ms, new_opt), (params, model_state, opt_state))
-        elif mode == "switch" and 1 < n <= MAX_PHASES:
-            *out, loss, aux = _switch_over_phases(spec, operands)
-        else:
-            *out, loss, aux = spec.whole_step(operands, None)
-        out = jax.tree.map(lambda x: x[None], tuple(out))
-        with jax.named_scope("metrics"):
-            loss, aux = lax.pmean(loss, spec.axes), _metrics_mean(aux, spec.axes)
-        ok = _collectives.cast_varying(ok, frozenset(spec.axes))
-        return (*out, loss, aux, ok[None])
-
     manual = frozenset(spec.axes)
     kwargs = {} if manual == frozenset(spec.mesh.axis_names) else {"axis_names": manual}
-    mapped = jax.shard_map(
-        body,
+    donate = (0, 1, 2) if spec.donate else ()
+    if spec.lowering == "shard_map":
+        mapped = jax.shard_map(
+            _replica_body(spec, mode, spec.whole_step),
+            mesh=spec.mesh,
+            in_specs=(rep, rep, rep, rep),
+            out_specs=(rep, rep, rep, P(), P(), rep),
+            **kwargs,
+        )
+        return jax.jit(mapped, donate_argnums=donate)
+
+    def update(operands, phase):
+        params, model_state, opt_state, grads, loss, aux = operands
+        grads = jax.tree.map(lambda x: x[0], grads)
+        out = spec.update((params, model_state, opt_state, grads), phase)
+        return (*out, loss[0], jax.tree.map(lambda x: x[0], aux))
+
+    mapped_update = jax.shard_map(
+        _replica_body(spec, mode, update),
         mesh=spec.mesh,
-        in_specs=(rep, rep, rep, rep),
+        in_specs=(rep,) * 6,
         out_specs=(rep, rep, rep, P(), P(), rep),
         **kwargs,
     )
-    return jax.jit(mapped, donate_argnums=(0, 1, 2) if spec.donate else ())
+
+    def step(params, model_state, opt_state, batch):
+        n = _num_replicas(spec.mesh, spec.axes)
+        per_replica = jax.tree.map(lambda x: x.reshape(n, -1, *x.shape[1:]), batch)
+        per_replica = jax.lax.with_sharding_constraint(per_replica, NamedSharding(spec.mesh, rep))
+        loss, aux, grads, model_state = jax.vmap(spec.gradients)(params, model_state, per_replica)
+        return mapped_update(params, model_state, opt_state, grads, loss, aux)
+
+    return jax.jit(step, donate_argnums=donate)

@@ -12,14 +12,17 @@ from test_parity_torch import CFG, NAMES, batches, check, init_params, loss_fn, 
 import lsgd_jax
 
 
-def test_step_builder_reproduces_pytorch():
+@pytest.mark.parametrize("lowering", ["shard_map", "jit"])
+def test_step_builder_reproduces_pytorch(lowering):
     mesh = mesh_2x2()
     tx = optax.chain(
         lsgd_jax.post_local_sgd(CFG["start"]),
         optax.sgd(CFG["lr"], momentum=CFG["momentum"]),
         lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(CFG["period"], CFG["warmup"])),
     )
-    step = lsgd_jax.data_parallel_step(lambda p, b: loss_fn(p, b["x"], b["y"]), tx, mesh)
+    step = lsgd_jax.data_parallel_step(
+        lambda p, b: loss_fn(p, b["x"], b["y"]), tx, mesh, lowering=lowering
+    )
     params = lsgd_jax.replicate(init_params(), mesh)
     opt_state = lsgd_jax.replicate(tx.init(init_params()), mesh)
     xs, ys = batches()  # [steps, world, batch, ...]: rank r's rows are block r of the batch
