@@ -14,7 +14,6 @@ collectives, would run on every step.)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import optax
