@@ -77,7 +77,7 @@ def hand_step(mesh, phase):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(D, D, D), out_specs=(D, D, P())))
 
 
-def lsgd_step(mesh, phase):
+def lsgd_step(mesh, phase, specialize=True):
     start = 10**6 if phase == "before" else 0
     averager = lsgd_jax.PeriodicModelAverager(PERIOD, warmup_steps=start)
     tx = optax.chain(
@@ -85,7 +85,9 @@ def lsgd_step(mesh, phase):
         optax.sgd(LR, momentum=MOMENTUM),
         lsgd_jax.model_averaging(averager),
     )
-    step = lsgd_jax.data_parallel_step(loss_fn, tx, mesh, donate=False, max_in_flight=None)
+    step = lsgd_jax.data_parallel_step(
+        loss_fn, tx, mesh, donate=False, max_in_flight=None, specialize=specialize
+    )
     return step, tx
 
 
@@ -95,7 +97,15 @@ def timed(f, *args):
     return time.perf_counter() - t0
 
 
-def bench(name, sizes, batch_per_replica, reps, mesh, phases=("before", "local", "average")):
+def bench(
+    name,
+    sizes,
+    batch_per_replica,
+    reps,
+    mesh,
+    phases=("before", "local", "average"),
+    specialize=True,
+):
     params = mlp(sizes, jax.random.key(0))
     n = mesh.devices.size
     rng = np.random.default_rng(0)
@@ -107,7 +117,7 @@ def bench(name, sizes, batch_per_replica, reps, mesh, phases=("before", "local",
     n_params = sum(x.size for x in jax.tree.leaves(params))
     rows = []
     for phase in phases:
-        step, tx = lsgd_step(mesh, phase)
+        step, tx = lsgd_step(mesh, phase, specialize)
         state = tx.init(params)
         if phase == "local":  # an averager step that does not average
             state = (state[0], state[1], state[2].replace(step=jnp.int32(1)))
@@ -150,14 +160,23 @@ def main(argv=None):
     parser.add_argument("--only-large", action="store_true")
     parser.add_argument("--phases", nargs="+", default=["before", "local", "average"])
     parser.add_argument("--mesh", default="2x4", help="NODESxLOCAL devices, e.g. 1x1 on one GPU")
+    parser.add_argument(
+        "--specialize",
+        default="true",
+        choices=["true", "switch", "false"],
+        help="data_parallel_step's specialize= (true: one program per phase)",
+    )
     args = parser.parse_args(argv)
     nodes, local = (int(v) for v in args.mesh.split("x"))
     mesh = lsgd_jax.make_mesh(nodes, local, devices=jax.devices()[: nodes * local])
+    specialize = {"true": True, "switch": "switch", "false": False}[args.specialize]
     rows = []
     if not args.only_large:
-        rows += bench("small MLP", [64, 256, 256, 10], 32, args.reps, mesh, args.phases)
+        rows += bench("small MLP", [64, 256, 256, 10], 32, args.reps, mesh, args.phases, specialize)
     if not args.only_small:
-        rows += bench("MLP 10.5M", [1024, 2048, 2048, 2048, 10], 16, args.reps, mesh, args.phases)
+        rows += bench(
+            "MLP 10.5M", [1024, 2048, 2048, 2048, 10], 16, args.reps, mesh, args.phases, specialize
+        )
     kind = jax.devices()[0].device_kind
     print(
         f"Median step time over {args.reps} interleaved repetitions, {nodes * local} x {kind} "

@@ -56,6 +56,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PREFIX = "lsgdsl"  # the names this benchmark owns: namespaces lsgdsl0/1, veths lsgdsl0v/1v
@@ -89,38 +90,46 @@ def parse_rate(rate: str) -> float:
     raise ValueError(f"not a tc rate: {rate!r} (use e.g. 1gbit, 100mbit, 500kbit)")
 
 
+def sync_schedule(config: dict) -> Any:
+    """The library's schedule of a run's model averages (None: no averager): PyTorch's
+    PeriodicModelAverager rule for one level, its HierarchicalModelAverager rule for
+    several, with the warm-up at the switch."""
+    import lsgd_jax  # here, not at the top: the launcher itself never starts JAX
+
+    levels = config["levels"]
+    if config["start"] is None or not levels:
+        return None
+    if len(levels) == 1:
+        (period,) = levels
+        return lsgd_jax.PeriodicSchedule(period, config["start"])
+    return lsgd_jax.HierarchicalSchedule(tuple(levels), config["start"])
+
+
 def schedule(config: dict, step: int) -> tuple[str | None, str | None]:
     """``(gradient all-reduce, model average)`` of one step: each None, "local" or "global".
 
     ``config`` is a run's description (see :func:`configs`): ``start`` (the switch; None:
     never, i.e. DDP), ``grad_allreduce`` (post_local_gradient_allreduce) and ``levels``,
-    the averaging periods ``{period: "local" | "global"}`` (one: PyTorch's
-    PeriodicModelAverager, counted from the switch; several: its
-    HierarchicalModelAverager, whose periods divide the step itself).
+    the averaging periods ``{period: "local" | "global"}``, smallest first. The averages
+    follow the library's own schedule (:func:`sync_schedule`).
     """
     start = config["start"]
     if start is None or step < start:
         return "global", None
     grad = "local" if config["grad_allreduce"] else None
-    average = None
-    levels = config["levels"]
-    if len(levels) == 1:
-        ((period, group),) = levels.items()
-        if (step - start) % period == 0:
-            average = group
-    elif levels:
-        hits = [p for p in levels if step % p == 0]
-        if hits:
-            average = levels[max(hits)]
-    return grad, average
+    averages = sync_schedule(config)
+    level = averages.level(step) if averages is not None else 0
+    return grad, (list(config["levels"].values())[level - 1] if level else None)
 
 
 def cycle(config: dict) -> list[int]:
-    """A whole cycle of steps after the switch (as long as the least common multiple of
-    the periods: any that many consecutive steps hold each kind of step equally often)."""
+    """A whole cycle of steps after the switch (the schedule's cycle, the least common
+    multiple of the periods: any that many consecutive steps hold each kind of step
+    equally often)."""
     if config["start"] is None:
         return [0]
-    length = math.lcm(*config["levels"]) if config["levels"] else 1
+    averages = sync_schedule(config)
+    length = averages.cycle if averages is not None else 1
     return list(range(config["start"], config["start"] + length))
 
 

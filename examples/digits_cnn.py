@@ -182,58 +182,63 @@ def _hook_state(opt_state: Any) -> Any:
 class Schedule:
     """Which all-reduces a run makes on which step, and what each cross-node one carries.
 
+    Which branch of the step each step takes is the library's own replay
+    (``lsgd_jax.replay_phases``), and the averaging levels the averager's
+    (``averager.schedule``): nothing of the rule is written again here.
+
     Attributes:
-      start: the hook's ``start_localSGD_iter``: steps ``s < start`` all-reduce the
-        gradients over all replicas.
-      local_grads: whether gradients are all-reduced inside the node after ``start``.
-      averager: the model averager, or None.
+      opt_state: the optimizer state the run starts from (its counters and static
+        configuration).
       branch_bytes: cross-node bytes per device of each phase branch of the step.
       always_bytes: bytes per device of the cross-node all-reduces of every step (the
         reported mean loss and summed correct count).
     """
 
-    start: int
-    local_grads: bool
-    averager: Any
+    opt_state: Any
     branch_bytes: dict
     always_bytes: int
-
-    def level(self, step: int) -> int:
-        if self.averager is None:
-            return 0
-        if callable(getattr(self.averager, "period", None)):
-            # a period schedule: the level depends on the last average, so replay it
-            return int(_replayed_levels(self.averager, 1 << int(step).bit_length())[step])
-        return int(self.averager.level(step))
+    _replays: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
-    def top(self) -> int:
-        """The averager's number of levels: one per group, or per fragment."""
-        return self.averager.num_levels if self.averager is not None else 0
+    def hook(self) -> Any:
+        return _hook_state(self.opt_state)
 
-    def is_global(self, level: int) -> bool:
-        """Whether averaging ``level`` averages over every replica (crosses nodes)."""
-        return self.averager is not None and self.averager.is_global(level)
+    @property
+    def start(self) -> int:
+        return self.hook.start_localSGD_iter
 
-    def _branch(self, hook: int, level: int) -> int:
-        """The phase branch of ``data_parallel_step``: the hook's phase (1 before the
-        switch; no phase when it starts local) then the averager's level, mixed radix."""
-        if not self.start:
-            return level
-        return hook * (self.top + 1) + level if self.averager is not None else hook
+    @property
+    def averager(self) -> Any:
+        states = lsgd_jax.averager_states(self.opt_state)
+        return states[0].averager if states else None
+
+    def phases(self, steps: int) -> np.ndarray:
+        """The step's branch (``lsgd_jax.phase_index``) at each of the first ``steps``."""
+        if steps not in self._replays:
+            self._replays[steps] = lsgd_jax.replay_phases(self.opt_state, steps)
+        return self._replays[steps]
+
+    def levels(self, steps: int) -> np.ndarray:
+        """The averager's level at each of the first ``steps`` (0: no average)."""
+        return self.averager.schedule(steps) if self.averager else np.zeros(steps, np.int32)
 
     def branch(self, step: int) -> int:
-        return self._branch(int(step < self.start), self.level(step))
+        return int(self.phases(1 << int(step).bit_length())[step])
 
     @property
     def grad_bytes(self) -> int:
         """Cross-node bytes of a step that only all-reduces the gradients globally."""
-        return self.branch_bytes.get(self._branch(1, 0), 0) if self.start else 0
+        return self.branch_bytes.get(self.branch(0), 0) if self.start else 0
 
     @property
     def average_bytes(self) -> int:
         """Cross-node bytes of a global model average (params + batch statistics)."""
-        return self.branch_bytes.get(self._branch(0, self.top), 0) if self.top else 0
+        if self.averager is None:
+            return 0
+        horizon = self.start + 2 * (self.averager.cycle or 64) + 1
+        levels, phases = self.levels(horizon), self.phases(horizon)
+        hits = [s for s in range(horizon) if self.averager.is_global(int(levels[s]))]
+        return self.branch_bytes.get(int(phases[hits[0]]), 0) if hits else 0
 
     def cross_node_bytes(self, step: int) -> int:
         """Bytes this device sends across nodes on ``step`` (0-based)."""
@@ -242,21 +247,17 @@ class Schedule:
     def counts(self, steps: int) -> dict[str, int]:
         """Global and node-local all-reduces of the first ``steps`` steps (not metrics)."""
         grad_global = min(steps, self.start)
-        levels = [self.level(s) for s in range(steps)]
-        avg_global = sum(1 for v in levels if self.is_global(v))
-        avg_local = sum(1 for v in levels if v and not self.is_global(v))
-        grad_local = steps - grad_global if self.local_grads else 0
+        levels = self.levels(steps).tolist()
+        is_global = self.averager.is_global if self.averager else bool
+        avg_global = sum(1 for v in levels if v and is_global(v))
+        avg_local = sum(1 for v in levels if v and not is_global(v))
+        grad_local = steps - grad_global if self.hook.post_local_gradient_allreduce else 0
         return {
             "grad_global": grad_global,
             "avg_global": avg_global,
             "global": grad_global + avg_global,
             "local": grad_local + avg_local,
         }
-
-
-@functools.lru_cache(maxsize=64)
-def _replayed_levels(averager: Any, num_steps: int) -> np.ndarray:
-    return averager.schedule(num_steps)
 
 
 def schedule_of(opt_state: Any, report: Any, params: Any) -> Schedule:
@@ -268,17 +269,15 @@ def schedule_of(opt_state: Any, report: Any, params: Any) -> Schedule:
     of the branch its phase takes.
     """
     hook = _hook_state(opt_state)
-    averagers = lsgd_jax.averager_states(opt_state)
-    averager = averagers[0].averager if averagers else None
     branch_bytes: dict[int, int] = {}
     cross = report.where(axes=CROSS_NODE)
     for c in cross:
         if c.conditional:
             branch_bytes[c.branch] = branch_bytes.get(c.branch, 0) + c.bytes
+    is_state = lambda x: isinstance(x, (lsgd_jax.PostLocalSGDState, lsgd_jax.ModelAveragerState))  # noqa: E731
+    states = [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
     schedule = Schedule(
-        start=hook.start_localSGD_iter,
-        local_grads=hook.post_local_gradient_allreduce,
-        averager=averager,
+        opt_state=jax.device_get(states),  # the counters at the start (the step donates)
         branch_bytes=branch_bytes,
         always_bytes=sum(c.bytes for c in cross if not c.conditional),
     )

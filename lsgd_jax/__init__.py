@@ -5,8 +5,9 @@ each node, and models are averaged over all replicas every few steps (Lin et al.
 Use Large Mini-Batches, Use Local SGD", ICLR 2020).
 """
 
+from lsgd_jax import comm
 from lsgd_jax._averaging import HierarchicalModelAverager
-from lsgd_jax._averaging import ModelAveragerState
+from lsgd_jax._averager_state import ModelAveragerState
 from lsgd_jax._averaging import PeriodicModelAverager
 from lsgd_jax._collectives import AxisNotBoundError
 from lsgd_jax._collectives import IndexGroups
@@ -21,13 +22,18 @@ from lsgd_jax._mesh import unreplicate
 from lsgd_jax._optim import PostLocalSGDOptimizerState
 from lsgd_jax._optim import model_averaging
 from lsgd_jax._optim import post_local_sgd_optimizer
+from lsgd_jax._schedule import AdaptiveSchedule
+from lsgd_jax._schedule import HierarchicalSchedule
+from lsgd_jax._schedule import PeriodicSchedule
 from lsgd_jax._report import Collective
+from lsgd_jax._stacked import stacked
 from lsgd_jax._report import CommunicationReport
 from lsgd_jax._report import communication_report
 from lsgd_jax._state import PostLocalSGDState
 from lsgd_jax._pairing import check_configuration
 from lsgd_jax._phase import num_phases
 from lsgd_jax._phase import phase_index
+from lsgd_jax._phase import replay_phases
 from lsgd_jax._step import DataParallelStep
 from lsgd_jax._step import averager_states
 from lsgd_jax._step import data_parallel_step
@@ -42,14 +48,17 @@ from lsgd_jax._sync import step_counters
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdaptiveSchedule",
     "AxisNotBoundError",
     "Collective",
     "DataParallelStep",
     "CommunicationReport",
     "HierarchicalModelAverager",
+    "HierarchicalSchedule",
     "IndexGroups",
     "ModelAveragerState",
     "PeriodicModelAverager",
+    "PeriodicSchedule",
     "PostLocalSGDOptimizerState",
     "PostLocalSGDState",
     "ReplicasOutOfSyncError",
@@ -57,6 +66,7 @@ __all__ = [
     "assert_replicas_in_sync",
     "averager_states",
     "check_configuration",
+    "comm",
     "communication_report",
     "consensus",
     "data_axes",
@@ -70,9 +80,11 @@ __all__ = [
     "post_localSGD_hook",
     "post_local_sgd",
     "post_local_sgd_optimizer",
+    "replay_phases",
     "replicate",
     "restore_checkpoint",
     "save_checkpoint",
+    "stacked",
     "step_counters",
     "unreplicate",
 ]

@@ -1,31 +1,30 @@
 """Model averagers: PeriodicModelAverager and HierarchicalModelAverager.
 
-An averager is an immutable, hashable config; its mutable part is a ModelAveragerState
-(the step count, and where an option needs them, the params at the last global average
-and an outer optimizer's state). ``average_parameters`` runs one ``lax.cond`` /
-``lax.switch`` per step on a predicate derived only from the state's counters, so every
-replica takes the same branch and at most one group's collective runs per step.
+An averager is an immutable, hashable config: a schedule (when to average,
+``_schedule``), groups (over whom), a communication strategy (how the mean travels,
+``lsgd_jax.comm``) and options for the maths around a global mean (``_outer``). Its
+mutable part is a :class:`ModelAveragerState`. One call (``_average_call``) takes one
+branch from the state's counters, the same on every replica, so at most one group's
+collective runs per step.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
-import functools
-import logging
-import math
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Union
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
-from lsgd_jax import _collectives
+from lsgd_jax import _average_call, _collectives, _fragments, _validate, comm
+from lsgd_jax._averager_state import ModelAveragerState, check_state, initial_state
 from lsgd_jax._collectives import Group, GroupSpec
-from lsgd_jax._state import check_nonnegative_int, logger
+from lsgd_jax._schedule import AdaptiveSchedule, HierarchicalSchedule, PeriodicSchedule
+from lsgd_jax._state import logger
 
 _PERIOD_ONE = (
     "When period is 1, no need to use model averaging because the communication cost of "
@@ -36,7 +35,8 @@ _PERIOD_ONE = (
 NONFINITE_POLICIES = ("propagate", "exclude", "skip")
 
 _OPTIONS_DOC = """
-      nonfinite: what a replica with NaN/Inf params does to an average: ``"propagate"``
+      nonfinite: what a replica with NaN/Inf params does to an average
+        (``comm.finite_only(policy)``): ``"propagate"``
         (default, PyTorch's behaviour: the whole group's element becomes NaN),
         ``"exclude"`` (the mean of the finite replicas only, which the non-finite ones
         also receive: ``average_parameters`` heals them; through ``model_averaging`` a
@@ -65,191 +65,75 @@ _OPTIONS_DOC = """
         warm-up phase.
       communication_dtype: e.g. ``jnp.bfloat16``: send the average in this dtype (an
         all-to-all and an all-gather, about half the bytes of a float32 all-reduce) and
-        sum it in float32. The params are then rounded to this dtype at each average
-        unless ``delta=True``.
+        sum it in float32 (``communication=lsgd_jax.comm.compressed(dtype)``). The
+        params are then rounded to this dtype at each average unless ``delta=True``.
       delta: average ``params - anchor`` (the change since the last global average)
         instead of the params, and add it back to the anchor: with
         ``communication_dtype`` the rounding then falls on the small change only.
         Needs ``init(params)``.
+      communication: how the mean travels, a ``lsgd_jax.comm`` strategy (e.g.
+        ``comm.finite_only("skip")``, ``comm.compressed(jnp.bfloat16)``); None: from
+        ``nonfinite`` and ``communication_dtype`` (``comm.flat()`` by default). Give
+        either this or those two.
 """
 
 
-def _check_period(period: Any, name: str) -> int:
-    if isinstance(period, bool) or not isinstance(period, (int, np.integer)):
-        raise TypeError(f"{name} must be a Python int, got {period!r}.")
-    if period < 1:
-        raise ValueError(f"{name} must be a positive value, got {period}; use 1 or more.")
-    return int(period)
+def _communicator(averager: Any) -> comm.Communication:
+    """The strategy an averager's options ask for (``communication=`` or the flags)."""
+    if averager.communication is not None:
+        if not isinstance(averager.communication, comm.Communication):
+            raise TypeError(
+                f"communication must be a lsgd_jax.comm strategy (e.g. "
+                f"lsgd_jax.comm.flat()), got {averager.communication!r}."
+            )
+        if averager.nonfinite != "propagate" or averager.communication_dtype is not None:
+            raise ValueError(
+                "Give either communication= or nonfinite=/communication_dtype=, not both: "
+                f"communication={averager.communication!r}, nonfinite="
+                f"{averager.nonfinite!r}, communication_dtype={averager.communication_dtype!r}."
+            )
+        return averager.communication
+    if averager.communication_dtype is not None:
+        if averager.nonfinite != "propagate":
+            raise ValueError(
+                "communication_dtype works with nonfinite='propagate' only; the "
+                f"finiteness check needs the exact all-reduce (got {averager.nonfinite!r})."
+            )
+        return comm.compressed(averager.communication_dtype)
+    if averager.nonfinite != "propagate":
+        return comm.finite_only(averager.nonfinite)
+    return comm.flat()
 
 
-def _check_nonfinite(policy: Any) -> None:
-    if policy not in NONFINITE_POLICIES:
-        raise ValueError(
-            f"nonfinite must be one of {NONFINITE_POLICIES}, got {policy!r}: 'propagate' "
-            "(PyTorch's behaviour: a NaN spreads to the whole group), 'exclude' (average "
-            "the finite replicas only) or 'skip' (no average for a group with a NaN)."
-        )
-
-
-def _log_nonfinite(policy: str, step: Any, replica: Any, excluded: Any) -> None:
-    action = {
-        "exclude": "left out of the mean and given the mean of the finite replicas",
-        "skip": "so its group skipped this average and kept its local values",
-    }[policy]
-    logger.warning(
-        "Model averaging at step %s: replica %s has non-finite params (%s of its group "
-        "non-finite); %s.",
-        int(step),
-        int(replica),
-        int(excluded),
-        action,
+def _check_options(self: Any) -> None:
+    """Validates (and normalizes) the options both averagers share."""
+    _validate.one_of(
+        self.nonfinite,
+        "nonfinite",
+        NONFINITE_POLICIES,
+        ": 'propagate' (PyTorch's behaviour: a NaN spreads to the whole group), 'exclude' "
+        "(average the finite replicas only) or 'skip' (no average for a group with a NaN)",
     )
-
-
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["step", "anchor", "outer_state", "outer_count", "last_sync"],
-    meta_fields=["averager", "pinned_phase"],
-)
-@dataclasses.dataclass(frozen=True, eq=False)
-class ModelAveragerState:
-    """The state of a model averager: its step count, and (static) which averager.
-
-    A pytree. ``averager`` is static metadata, so a training loop can tell from an
-    optimizer state alone when, and over which group, the models were averaged (e.g. to
-    average batch-norm statistics on the same steps). The other fields are None unless
-    an option of the averager needs them.
-
-    Attributes:
-      step: int32 scalar, the number of ``average_parameters`` calls so far (PyTorch's
-        ``averager.step``). At the int32 maximum it continues from an earlier step at the
-        same place in the schedule (whole cycles back, see ``averager.cycle``), so the
-        averages stay on schedule; a schedule without a cycle (a callable period) raises
-        OverflowError there instead.
-      averager: the PeriodicModelAverager or HierarchicalModelAverager that owns it.
-      anchor: the params at the last global average (``outer_optimizer``, ``delta``).
-      outer_state: the outer optimizer's state.
-      outer_count: int32 scalar, the global averages so far (``outer_optimizer``).
-      last_sync: int32 scalar, the step of the last average (a callable ``period``).
-      pinned_phase: None, or (static) the level this call takes whatever the counters
-        say: set by whoever specializes a step per phase (see :func:`phase_index`), in
-        the static metadata so that every trace cache keys on it.
-
-    Example:
-      >>> import lsgd_jax
-      >>> state = lsgd_jax.PeriodicModelAverager(4).init()
-      >>> int(state.step), state.averager.period
-      (0, 4)
-    """
-
-    step: jax.Array
-    averager: Any = None
-    anchor: Any = None
-    outer_state: Any = None
-    outer_count: Any = None
-    last_sync: Any = None
-    pinned_phase: int | None = None
-
-    @property
-    def num_phases(self) -> int:
-        """How many branches the averager has: one per level, plus "no average"."""
-        return 1 if self.averager is None else self.averager.num_levels + 1
-
-    @property
-    def phase(self) -> jax.Array:
-        """This state's phase: the level of this call (0: no average), an int32 scalar
-        derived from the counters alone (the same on every replica).
-
-        Example:
-          >>> import lsgd_jax
-          >>> int(lsgd_jax.PeriodicModelAverager(4, warmup_steps=1).init().phase)
-          0
-        """
-        if self.averager is None:
-            return jnp.zeros([], jnp.int32)
-        return self.averager._level(self)
-
-    def replace(self, **changes: Any) -> ModelAveragerState:
-        """Returns a copy with the given fields replaced.
-
-        Args:
-          **changes: new values by field name, e.g. ``step=...``.
-
-        Returns:
-          A new ModelAveragerState.
-
-        Example:
-          >>> import jax.numpy as jnp, lsgd_jax
-          >>> s = lsgd_jax.PeriodicModelAverager(4).init().replace(step=jnp.int32(9))
-          >>> int(s.step)
-          9
-        """
-        return dataclasses.replace(self, **changes)
-
-
-def _check_state(state: Any, what: str, averager: Any) -> None:
-    if not isinstance(state, ModelAveragerState):
+    if self.outer_optimizer is not None and not isinstance(
+        self.outer_optimizer, optax.GradientTransformation
+    ):
         raise TypeError(
-            f"{what} expects a ModelAveragerState (from averager.init()), got "
-            f"{type(state).__name__}."
+            f"outer_optimizer must be an optax GradientTransformation, got "
+            f"{self.outer_optimizer!r}; e.g. optax.sgd(0.7, momentum=0.9, nesterov=True)."
         )
-    if state.averager is not None and state.averager != averager:
-        raise ValueError(
-            f"{what}: this state belongs to {state.averager!r}, not to {averager!r}; "
-            "use the state that this averager's init() made."
-        )
-    if averager.needs_params and state.anchor is None:
-        raise ValueError(
-            f"{what}: {type(averager).__name__} with outer_optimizer or delta keeps the "
-            "params of the last global average in its state; create the state with "
-            "averager.init(params)."
-        )
+    for flag in ("delta", "outer_skip_first"):
+        object.__setattr__(self, flag, _validate.boolean(getattr(self, flag), flag))
+    if self.communication_dtype is not None:
+        dtype = comm.compressed(self.communication_dtype).dtype
+        object.__setattr__(self, "communication_dtype", dtype)
+    _communicator(self)
 
 
-def _cast_like(tree: Any, like: Any) -> Any:
-    """``tree`` with the dtypes and varying-axes types of ``like`` (cond branches agree)."""
-    return jax.tree.map(
-        lambda x, y: _collectives.cast_varying(jnp.asarray(x).astype(y.dtype), _collectives.vma(y)),
-        tree,
-        like,
-    )
+class _Averager(abc.ABC):
+    """What both averagers share: options, state, and the public calls.
 
-
-def _select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
-    """``jnp.where(pred, a, b)`` leaf by leaf, for a scalar ``pred``."""
-    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
-
-
-def _delta_of(values: Any, anchor: Any) -> Any:
-    """``values - anchor`` on the floating leaves (integer leaves pass)."""
-    return jax.tree.map(lambda v, a: v - a if _collectives.is_averaged(v) else v, values, anchor)
-
-
-def _undelta(anchor: Any, mean: Any, values: Any) -> Any:
-    """``anchor + mean`` on the floating leaves; integer leaves keep ``values``."""
-    return jax.tree.map(
-        lambda a, m, v: a + m if _collectives.is_averaged(v) else v, anchor, mean, values
-    )
-
-
-INT32_MAX = int(np.iinfo(np.int32).max)
-
-
-def _counter_overflow(name: str, step: Any) -> None:
-    raise OverflowError(
-        f"{name}: the averager's step counter reached the int32 maximum ({int(step)} calls) "
-        "and its schedule (a callable period, or periods whose cycle is longer than the "
-        "counter's range) cannot be followed past it. Restore from a checkpoint with the "
-        "state's step (and last_sync) moved back by the same amount, e.g. state.replace("
-        "step=state.step - k, last_sync=state.last_sync - k)."
-    )
-
-
-class _Averager:
-    """What both averagers share: options, state, and the branch machinery.
-
-    ``level(step)`` is 0 on steps that do not average, otherwise ``k`` (1-based): the
-    k-th group of ``groups`` (or, with fragments, the k-th fragment).
+    A subclass gives the schedule (``sync_schedule``), the groups, and how each level
+    resolves to a group (and fragment) where it runs.
     """
 
     warmup_steps: int
@@ -258,32 +142,33 @@ class _Averager:
     outer_skip_first: bool
     communication_dtype: Any
     delta: bool
+    communication: Any
 
-    # -- configuration ----------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def sync_schedule(self) -> Any:
+        """When to average: a PeriodicSchedule, HierarchicalSchedule or AdaptiveSchedule."""
 
-    def _check_options(self) -> None:
-        _check_nonfinite(self.nonfinite)
-        if self.outer_optimizer is not None and not hasattr(self.outer_optimizer, "update"):
-            raise TypeError(
-                f"outer_optimizer must be an optax GradientTransformation, got "
-                f"{self.outer_optimizer!r}; e.g. optax.sgd(0.7, momentum=0.9, nesterov=True)."
-            )
-        for flag in ("delta", "outer_skip_first"):
-            if not isinstance(getattr(self, flag), bool):
-                raise TypeError(f"{flag} must be True or False, got {getattr(self, flag)!r}.")
-        if self.communication_dtype is not None:
-            dtype = jnp.dtype(self.communication_dtype)
-            if not jnp.issubdtype(dtype, jnp.floating):
-                raise ValueError(
-                    f"communication_dtype must be a floating dtype such as jnp.bfloat16, "
-                    f"got {self.communication_dtype!r}."
-                )
-            object.__setattr__(self, "communication_dtype", dtype)
-            if self.nonfinite != "propagate":
-                raise ValueError(
-                    "communication_dtype works with nonfinite='propagate' only; the "
-                    f"finiteness check needs the exact all-reduce (got {self.nonfinite!r})."
-                )
+    @property
+    @abc.abstractmethod
+    def groups(self) -> tuple[Group | None, ...]:
+        """The group of each level (None: every bound mapped axis)."""
+
+    @abc.abstractmethod
+    def _branch_groups(self) -> list[tuple[Group, Any, bool]]:
+        """One ``(resolved group, fragment or None, is_global)`` per level, where it runs."""
+
+    @property
+    def communicator(self) -> comm.Communication:
+        """The communication strategy of the averages (from ``communication`` or the
+        ``nonfinite`` / ``communication_dtype`` options).
+
+        Example:
+          >>> import lsgd_jax
+          >>> lsgd_jax.PeriodicModelAverager(4, nonfinite="skip").communicator
+          FiniteOnly(policy='skip')
+        """
+        return _communicator(self)
 
     @property
     def needs_params(self) -> bool:
@@ -291,28 +176,14 @@ class _Averager:
         return self.outer_optimizer is not None or self.delta
 
     @property
-    def groups(self) -> tuple[Group | None, ...]:
-        raise NotImplementedError
-
-    @property
     def num_levels(self) -> int:
-        """How many nonzero levels ``level`` / ``schedule`` can return.
-
-        Example:
-          >>> import lsgd_jax
-          >>> lsgd_jax.PeriodicModelAverager(8, fragments=4).num_levels
-          4
-        """
-        return len(self.groups)
+        """How many nonzero levels ``level`` / ``schedule`` can return (one per group,
+        or per fragment)."""
+        return self.sync_schedule.num_levels
 
     def is_global(self, level: int) -> bool:
-        """Whether an average at ``level`` spans the global group (crosses every node).
-
-        Args:
-          level: a level from ``level`` or ``schedule`` (0: no average).
-
-        Returns:
-          True for the last group's level (every fragment, with fragments).
+        """Whether an average at ``level`` (0: none) spans the global group: the last
+        group's level, or every fragment's.
 
         Example:
           >>> import lsgd_jax
@@ -320,24 +191,25 @@ class _Averager:
           >>> [avg.is_global(k) for k in range(3)]
           [False, False, True]
         """
-        return level == self.num_levels if len(self.groups) > 1 else level > 0
+        return self.sync_schedule.is_global(level)
 
-    def level(self, step: Any) -> Any:
-        raise NotImplementedError
+    @property
+    def cycle(self) -> int | None:
+        """The schedule's cycle after the warm-up: the period (periodic), the least common
+        multiple of the periods (hierarchical), None for a callable period."""
+        return self.sync_schedule.cycle
 
-    def _level(self, state: ModelAveragerState) -> jax.Array:
-        """The level of the current call, from the state's counters only."""
-        return jnp.asarray(self.level(state.step), jnp.int32)
+    def schedule(self, num_steps: int) -> np.ndarray:
+        """The level of every call from step 0 to ``num_steps - 1`` (0: no average), for
+        every option (a callable period included): the way to count averages, e.g.
+        ``sum(map(avg.is_global, avg.schedule(1000)))`` global ones.
 
-    def _resolve_groups(self) -> tuple[Group, ...]:
-        raise NotImplementedError
-
-    def _branch_groups(self) -> list[tuple[Group, Callable[[Any], Any] | None, bool]]:
-        """One (group, leaf selector or None, is_global) per nonzero level."""
-        groups = self._resolve_groups()
-        return [(g, None, k == len(groups) - 1) for k, g in enumerate(groups)]
-
-    # -- state ------------------------------------------------------------------------
+        Example:
+          >>> import lsgd_jax
+          >>> lsgd_jax.PeriodicModelAverager(3, warmup_steps=1).schedule(8).tolist()
+          [0, 1, 0, 0, 1, 0, 0, 1]
+        """
+        return self.sync_schedule.replay(num_steps)
 
     def init(self, params: Any = None) -> ModelAveragerState:
         """Returns the initial state: ``step == 0`` (and the anchor, where needed).
@@ -354,199 +226,11 @@ class _Averager:
           >>> int(lsgd_jax.PeriodicModelAverager(4).init().step)
           0
         """
-        state = ModelAveragerState(step=jnp.zeros([], jnp.int32), averager=self)
-        if self.needs_params:
-            if params is None:
-                raise ValueError(
-                    f"{type(self).__name__} with outer_optimizer or delta needs the initial "
-                    "params: call averager.init(params)."
-                )
-            anchor = jax.tree.map(jnp.asarray, params)
-            state = state.replace(anchor=anchor)
-            if self.outer_optimizer is not None:
-                state = state.replace(
-                    outer_state=self.outer_optimizer.init(anchor),
-                    outer_count=jnp.zeros([], jnp.int32),
-                )
-        if self._tracks_last_sync:
-            state = state.replace(last_sync=jnp.zeros([], jnp.int32))
-        return state
-
-    @property
-    def _tracks_last_sync(self) -> bool:
-        """A period schedule (a callable period) needs the step of the last average."""
-        return callable(getattr(self, "period", None))
-
-    def schedule(self, num_steps: int) -> np.ndarray:
-        """The level of every call from step 0 to ``num_steps - 1``, as a numpy array.
-
-        Works for every option (a callable period included), so it is the way to count
-        averages, e.g. ``sum(map(avg.is_global, avg.schedule(1000)))`` global ones.
-
-        Args:
-          num_steps: how many calls.
-
-        Returns:
-          An int array of levels (0: no average).
-
-        Example:
-          >>> import lsgd_jax
-          >>> lsgd_jax.PeriodicModelAverager(3, warmup_steps=1).schedule(8).tolist()
-          [0, 1, 0, 0, 1, 0, 0, 1]
-        """
-        return np.array([self.level(s) for s in range(num_steps)], np.int32)
-
-    @property
-    def cycle(self) -> int | None:
-        """The length of the schedule's cycle after the warm-up (None: no cycle).
-
-        The level at step ``s >= warmup_steps`` equals the level at ``s + cycle``: the
-        period (periodic), the least common multiple of the periods (hierarchical), or
-        None for a callable period.
-
-        Example:
-          >>> import lsgd_jax
-          >>> lsgd_jax.HierarchicalModelAverager({4: "local", 6: ("node", "local")}).cycle
-          12
-        """
-        raise NotImplementedError
+        return initial_state(self, params)
 
     def _advance(self, state: ModelAveragerState) -> ModelAveragerState:
-        """The state after one more call: ``step + 1``, kept inside int32.
-
-        At the int32 maximum the count continues from an earlier step with the same
-        place in the schedule (a whole number of cycles back, never below the warm-up),
-        so the averages stay on schedule forever. A schedule without such a cycle raises
-        OverflowError at that call instead of drifting silently.
-        """
-        step, cycle, warmup = state.step, self.cycle, self.warmup_steps
-        span = INT32_MAX + 1 - warmup
-        if cycle is not None and cycle <= span:
-            wrapped = INT32_MAX + 1 - cycle * (span // cycle)
-            nxt = jnp.where(step == INT32_MAX, jnp.int32(wrapped), step + (step < INT32_MAX))
-            return state.replace(step=nxt.astype(jnp.int32))
-        at_max = step == INT32_MAX
-        name = type(self).__name__
-        lax.cond(
-            at_max,
-            lambda: jax.debug.callback(functools.partial(_counter_overflow, name), step),
-            lambda: None,
-        )
-        return state.replace(step=optax.safe_increment(step))
-
-    # -- averaging --------------------------------------------------------------------
-
-    def _mean(
-        self, tree: Any, group: Group, step: jax.Array, cast: bool = True
-    ) -> tuple[Any, jax.Array | None]:
-        """The group mean of ``tree`` under this averager's dtype and non-finite policy.
-
-        Returns ``(averaged, skipped)``: ``skipped`` is None when the policy never skips
-        (a static fact), else a bool scalar, the same on every replica of the group, that
-        says this group kept its own values ("skip" with a non-finite replica, "exclude"
-        with no finite one); ``averaged`` is then ``tree`` itself.
-        """
-        if self.communication_dtype is not None:
-            return _collectives.compressed_mean(tree, group, self.communication_dtype, cast), None
-        if self.nonfinite == "propagate":
-            return _collectives.mean(tree, group, cast), None
-        averaged, excluded, finite = _collectives.finite_mean(tree, group, cast)
-        if self.nonfinite == "skip":
-            skipped = excluded > 0
-        else:
-            skipped = excluded >= _collectives.group_size(group)
-        averaged = _select(skipped, tree, averaged)
-        if logger.isEnabledFor(logging.WARNING):  # else no host callback in the program
-            axes = _collectives.bound_axes()
-            replica = lax.axis_index(axes) if axes else jnp.zeros([], jnp.int32)
-            lax.cond(
-                finite,
-                lambda: None,
-                lambda: jax.debug.callback(
-                    functools.partial(_log_nonfinite, self.nonfinite), step, replica, excluded
-                ),
-            )
-        return averaged, skipped
-
-    def _outer_step(
-        self, mean_p: Any, anchor: Any, state: ModelAveragerState, skipped: jax.Array | None
-    ) -> tuple[Any, ModelAveragerState]:
-        """The outer optimizer's step from ``anchor`` on the pseudo-gradient to the mean.
-
-        Floating leaves only (integer ones keep ``mean_p``, their own value); a skipped
-        average leaves the outer state and count as they were.
-        """
-        pseudo_grad = jax.tree.map(jnp.subtract, anchor, mean_p)
-        updates, outer_state = self.outer_optimizer.update(pseudo_grad, state.outer_state, anchor)
-        # anchor + updates, written so that sgd(1.0) gives the mean exactly:
-        # updates == -pseudo_grad then, so pseudo_grad + updates == 0.
-        stepped = jax.tree.map(
-            lambda m, g, u: m + (g + u) if _collectives.is_averaged(m) else m,
-            mean_p,
-            pseudo_grad,
-            updates,
-        )
-        outer_state = _cast_like(outer_state, state.outer_state)
-        if self.outer_skip_first:  # the first global average only sets the anchor
-            first = state.outer_count == 0
-            stepped = _select(first, mean_p, stepped)
-            outer_state = _select(first, state.outer_state, outer_state)
-        count = optax.safe_increment(state.outer_count)
-        if skipped is not None:
-            outer_state = _select(skipped, state.outer_state, outer_state)
-            count = jnp.where(skipped, state.outer_count, count)
-        return stepped, state.replace(outer_state=outer_state, outer_count=count)
-
-    def _average(
-        self, params: Any, extra: Any, state: ModelAveragerState, branch: tuple
-    ) -> tuple[Any, Any, ModelAveragerState]:
-        """One level's average of ``params`` (and ``extra`` leaves, same collective)."""
-        group, fragment, is_global = branch
-        anchor = state.anchor
-        cut = fragment.cut(params) if fragment is not None else _WHOLE
-        p_in, e_in = cut.take(params), cut.take_aligned(extra, params)
-        a_in = cut.take(anchor) if anchor is not None else None
-        x = _delta_of(p_in, a_in) if self.delta else p_in
-        # Uncast means: a global mean is invariant, so it can become a replicated anchor.
-        (mean_x, mean_e), skipped = self._mean((x, e_in), group, state.step, cast=False)
-        new_p = _undelta(a_in, mean_x, p_in) if self.delta else mean_x
-        if is_global and self.outer_optimizer is not None:
-            new_p, state = self._outer_step(new_p, a_in, state, skipped)
-        if skipped is not None:  # a skipped average changes nothing but the step
-            new_p, mean_e = _select(skipped, p_in, new_p), _select(skipped, e_in, mean_e)
-        if is_global and anchor is not None:
-            new_anchor = _cast_like(cut.put(anchor, new_p), anchor)
-            if skipped is not None:
-                new_anchor = _select(skipped, anchor, new_anchor)
-            state = state.replace(anchor=new_anchor)
-        new_p, mean_e = cut.put(params, new_p), cut.put_aligned(extra, params, mean_e)
-        new_p, mean_e = _cast_like(new_p, params), _cast_like(mean_e, extra)
-        if self._tracks_last_sync:  # the schedule's record: skipped or not, all agree
-            state = state.replace(last_sync=state.step)
-        return new_p, mean_e, state
-
-    def _apply(self, operand: Any, state: ModelAveragerState, prepare, finish, passthrough):
-        """The one cond/switch: ``finish(average(prepare(operand)))`` or ``passthrough``.
-
-        ``prepare(operand) -> (params, extra)`` and ``finish(operand, params, extra) ->
-        result`` run inside the averaging branches only; ``passthrough(operand) ->
-        result`` is the branch of the steps that do not average.
-        """
-        branches_spec = self._branch_groups()
-
-        def skip(op, st):
-            return passthrough(op), st
-
-        def make(branch):
-            def run(op, st):
-                params, extra = prepare(op)
-                params, extra, st2 = self._average(params, extra, st, branch)
-                return finish(op, params, extra), _cast_like(st2, st)
-
-            return run
-
-        branches = [skip] + [make(b) for b in branches_spec]
-        return self._dispatch("model_averaging", state, branches, operand, state)
+        """The state after one more call (see ``_schedule._Schedule.next_step``)."""
+        return state.replace(step=self.sync_schedule.next_step(state.step, type(self).__name__))
 
     def average_alongside(self, tree: Any, state: ModelAveragerState) -> Any:
         """The plain group mean of ``tree`` on the steps (and groups) that ``state`` averages.
@@ -572,22 +256,7 @@ class _Averager:
           >>> f(jnp.arange(4.0), avg.init())
           Array([1.5, 1.5, 1.5, 1.5], dtype=float32)
         """
-        branches = [lambda t: t] + [
-            functools.partial(lambda t, g: self._mean(t, g, state.step)[0], g=group)
-            for group, _, _ in self._branch_groups()
-        ]
-        return self._dispatch("model_state_averaging", state, branches, tree)
-
-    def _dispatch(self, scope: str, state: ModelAveragerState, branches: list, *operands):
-        """Runs the branch of this step's level: the pinned one when a step specialized
-        per phase pinned it (static), else one ``lax.cond`` / ``lax.switch``."""
-        with jax.named_scope(scope):  # names the collectives in the HLO
-            if state.pinned_phase is not None:
-                return branches[state.pinned_phase](*operands)
-            level = state.phase
-            if len(branches) == 2:
-                return lax.cond(level > 0, branches[1], branches[0], *operands)
-            return lax.switch(level, branches, *operands)
+        return _average_call.alongside(self, tree, state)
 
     def average_parameters(
         self, params: Any, state: ModelAveragerState
@@ -647,8 +316,9 @@ class _Averager:
           >>> m
           Array([15., 15., 15., 15.], dtype=float32)
         """
-        _check_state(state, "average_parameters", self)
-        (params, extra), state = self._apply(
+        check_state(state, "average_parameters", self)
+        (params, extra), state = _average_call.run(
+            self,
             (params, extra),
             state,
             prepare=lambda op: op,
@@ -658,116 +328,6 @@ class _Averager:
         return params, extra, self._advance(state)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Fragment:
-    """The k-th of K equal slices of the params' floating values, in flattened order.
-
-    ``cut(params)`` fixes the slices for one params tree: a leaf may be cut between two
-    fragments.
-    """
-
-    k: int
-    count: int
-
-    def cut(self, params: Any) -> _Cut:
-        """The ``(leaf index, lo, hi)`` slices of ``params``'s raveled leaves in this
-        fragment, as a :class:`_Cut`."""
-        leaves = jax.tree.leaves(params)
-        sizes = [
-            (i, int(np.prod(jnp.shape(x))))
-            for i, x in enumerate(leaves)
-            if _collectives.is_averaged(x)
-        ]
-        total = sum(n for _, n in sizes)
-        if total and total < self.count:
-            raise ValueError(
-                f"fragments={self.count} needs at least that many floating values to split, "
-                f"got {total}; use fewer fragments."
-            )
-        chunk = -(-total // self.count)
-        start, end = self.k * chunk, min((self.k + 1) * chunk, total)
-        pieces, offset = [], 0
-        for i, n in sizes:
-            lo, hi = max(start, offset), min(end, offset + n)
-            if lo < hi:
-                pieces.append((i, lo - offset, hi - offset))
-            offset += n
-        return _Cut(tuple(pieces), jax.tree.structure(params), _shapes(params))
-
-
-def _shapes(tree: Any) -> tuple[tuple[int, ...], ...]:
-    return tuple(jnp.shape(x) for x in jax.tree.leaves(tree))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Cut:
-    """Static slices of a params-shaped tree: what one fragment averages.
-
-    ``take`` returns the flat pieces, ``put`` writes new values into exactly those
-    positions (static slices: the other elements are untouched). ``take_aligned`` /
-    ``put_aligned`` do the same inside a tree that holds params-shaped parts (an
-    optimizer state's momentum, Adam's moments): those parts are cut like the params,
-    so element i of a moment is averaged on the step its param element i is; any other
-    leaf is taken whole.
-    """
-
-    pieces: tuple[tuple[int, int, int], ...]
-    treedef: Any
-    shapes: tuple[tuple[int, ...], ...]
-
-    def take(self, tree: Any) -> list[Any]:
-        leaves = jax.tree.leaves(tree)
-        return [jnp.ravel(leaves[i])[lo:hi] for i, lo, hi in self.pieces]
-
-    def put(self, tree: Any, values: list[Any]) -> Any:
-        leaves, treedef = jax.tree.flatten(tree)
-        for (i, lo, hi), v in zip(self.pieces, values):
-            x = leaves[i]
-            flat = jnp.ravel(x).at[lo:hi].set(v.astype(x.dtype))
-            leaves[i] = _collectives.cast_varying(flat.reshape(x.shape), _collectives.vma(x))
-        return jax.tree.unflatten(treedef, leaves)
-
-    def _shaped(self, node: Any) -> bool:
-        return jax.tree.structure(node) == self.treedef and _shapes(node) == self.shapes
-
-    def take_aligned(self, tree: Any, params: Any) -> Any:
-        del params  # the cut already holds the params' layout
-        if tree is None:
-            return None
-        nodes = jax.tree.leaves(tree, is_leaf=self._shaped)
-        return [self.take(n) if self._shaped(n) else n for n in nodes]
-
-    def put_aligned(self, tree: Any, params: Any, values: Any) -> Any:
-        del params
-        if tree is None:
-            return None
-        nodes, treedef = jax.tree.flatten(tree, is_leaf=self._shaped)
-        new = [self.put(n, v) if self._shaped(n) else v for n, v in zip(nodes, values)]
-        return jax.tree.unflatten(treedef, new)
-
-
-class _Whole:
-    """The cut of an average without fragments: everything, as it is."""
-
-    def take(self, tree: Any) -> Any:
-        return tree
-
-    def put(self, tree: Any, values: Any) -> Any:
-        del tree
-        return values
-
-    def take_aligned(self, tree: Any, params: Any) -> Any:
-        del params
-        return tree
-
-    def put_aligned(self, tree: Any, params: Any, values: Any) -> Any:
-        del tree, params
-        return values
-
-
-_WHOLE = _Whole()
-
-
 def _options() -> dict[str, Any]:
     return {
         "nonfinite": dataclasses.field(default="propagate", kw_only=True),
@@ -775,6 +335,7 @@ def _options() -> dict[str, Any]:
         "outer_skip_first": dataclasses.field(default=True, kw_only=True),
         "communication_dtype": dataclasses.field(default=None, kw_only=True),
         "delta": dataclasses.field(default=False, kw_only=True),
+        "communication": dataclasses.field(default=None, kw_only=True),
     }
 
 
@@ -829,44 +390,47 @@ class PeriodicModelAverager(_Averager):
     outer_skip_first: bool = _options()["outer_skip_first"]
     communication_dtype: Any = _options()["communication_dtype"]
     delta: bool = _options()["delta"]
+    communication: Any = _options()["communication"]
 
     def __post_init__(self) -> None:
-        self._check_options()
-        if not callable(self.period):
-            object.__setattr__(self, "period", _check_period(self.period, "period"))
-            if self.period == 1:
-                warnings.warn(_PERIOD_ONE, stacklevel=3)
-        object.__setattr__(
-            self, "warmup_steps", check_nonnegative_int(self.warmup_steps, "warmup_steps")
-        )
-        object.__setattr__(
-            self,
-            "process_group",
-            _collectives.normalize_group(self.process_group, "process_group"),
-        )
-        k = _check_period(self.fragments, "fragments")
-        if k > 1:
-            if callable(self.period) or self.period % k:
+        _check_options(self)
+        warmup = _validate.nonnegative_int(self.warmup_steps, "warmup_steps")
+        object.__setattr__(self, "warmup_steps", warmup)
+        k = _validate.positive_int(self.fragments, "fragments")
+        if callable(self.period):
+            if k > 1:
                 raise ValueError(
                     f"fragments={k} needs an int period divisible by it, got period="
                     f"{self.period!r}; e.g. period={4 * k}."
                 )
-            if self.outer_optimizer is not None:
-                raise ValueError(
-                    "fragments with an outer_optimizer is not supported; use one or the other."
-                )
+            schedule: Any = AdaptiveSchedule(self.period, warmup)
+        else:
+            schedule = PeriodicSchedule(self.period, warmup, k)
+            object.__setattr__(self, "period", schedule.period)
+            if schedule.period == 1:
+                warnings.warn(_PERIOD_ONE, stacklevel=3)
+        object.__setattr__(self, "_schedule", schedule)
+        group = _collectives.normalize_group(self.process_group, "process_group")
+        object.__setattr__(self, "process_group", group)
+        if k > 1 and self.outer_optimizer is not None:
+            raise ValueError(
+                "fragments with an outer_optimizer is not supported; use one or the other."
+            )
+
+    @property
+    def sync_schedule(self) -> PeriodicSchedule | AdaptiveSchedule:
+        """The schedule (a PeriodicSchedule, or an AdaptiveSchedule for a callable period).
+
+        Example:
+          >>> import lsgd_jax
+          >>> lsgd_jax.PeriodicModelAverager(4, warmup_steps=2).sync_schedule
+          PeriodicSchedule(period=4, warmup_steps=2, fragments=1)
+        """
+        return self._schedule  # type: ignore[attr-defined]
 
     @property
     def groups(self) -> tuple[Group | None, ...]:
         return (self.process_group,)
-
-    @property
-    def cycle(self) -> int | None:  # type: ignore[override]
-        return None if callable(self.period) else self.period
-
-    @property
-    def num_levels(self) -> int:  # type: ignore[override]
-        return self.fragments
 
     def level(self, step: Any) -> Any:
         """Which call averages: 0 for none, else 1 (or the fragment number, 1-based).
@@ -884,50 +448,16 @@ class PeriodicModelAverager(_Averager):
           >>> [lsgd_jax.PeriodicModelAverager(4, fragments=2).level(s) for s in range(6)]
           [1, 0, 2, 0, 1, 0]
         """
-        if callable(self.period):
-            raise TypeError(
-                "With a period schedule the level depends on the last average, not on the "
-                "step alone: use averager.schedule(num_steps)."
-            )
-        stride = self.period // self.fragments
-        after = step - self.warmup_steps
-        on = (step >= self.warmup_steps) & (after % stride == 0)
-        which = (after // stride) % self.fragments + 1
-        if isinstance(on, jax.Array) or isinstance(step, jax.Array):
-            return jnp.where(on, which, 0).astype(jnp.int32)
-        return int(which) if on else 0
-
-    def _level(self, state: ModelAveragerState) -> jax.Array:
-        if not callable(self.period):
-            return super()._level(state)
-        step = state.step
-        period = jnp.asarray(self.period(step), jnp.int32)
-        on = (step == self.warmup_steps) | (step - state.last_sync >= period)
-        return ((step >= self.warmup_steps) & on).astype(jnp.int32)
-
-    def schedule(self, num_steps: int) -> np.ndarray:
-        if not callable(self.period):
-            return super().schedule(num_steps)
-        out, last = [], 0
-        for s in range(num_steps):
-            hit = s >= self.warmup_steps and (
-                s == self.warmup_steps or s - last >= int(self.period(jnp.int32(s)))
-            )
-            out.append(int(hit))
-            last = s if hit else last
-        return np.array(out, np.int32)
-
-    schedule.__doc__ = _Averager.schedule.__doc__
-
-    def _resolve_groups(self) -> tuple[Group, ...]:
-        what = "PeriodicModelAverager"
-        return (_collectives.resolve(self.process_group, _collectives.global_axes(what), what),)
+        return self.sync_schedule.level(step)
 
     def _branch_groups(self) -> list[tuple[Group, Any, bool]]:
-        (group,) = self._resolve_groups()
+        what = "PeriodicModelAverager"
+        group = _collectives.resolve(self.process_group, _collectives.global_axes(what), what)
         if self.fragments == 1:
             return [(group, None, True)]
-        return [(group, _Fragment(k, self.fragments), True) for k in range(self.fragments)]
+        return [
+            (group, _fragments.Fragment(k, self.fragments), True) for k in range(self.fragments)
+        ]
 
 
 PeriodicModelAverager.__doc__ = PeriodicModelAverager.__doc__.format(options=_OPTIONS_DOC)
@@ -969,16 +499,17 @@ class HierarchicalModelAverager(_Averager):
     outer_skip_first: bool = _options()["outer_skip_first"]
     communication_dtype: Any = _options()["communication_dtype"]
     delta: bool = _options()["delta"]
+    communication: Any = _options()["communication"]
 
     def __post_init__(self) -> None:
-        self._check_options()
+        _check_options(self)
         d = self.period_group_dict
         if not isinstance(d, Mapping) or not d:
             raise ValueError(
                 f"period_group_dict must be a non-empty dict of period -> group axes, got "
                 f"{d!r}; e.g. {{4: 'local', 16: ('node', 'local')}}."
             )
-        periods = [_check_period(p, f"period {p!r} in period_group_dict") for p in d]
+        periods = [_validate.positive_int(p, f"period {p!r} in period_group_dict") for p in d]
         if any(b <= a for a, b in zip(periods, periods[1:])):
             raise ValueError(
                 f"The periods of period_group_dict must be strictly increasing (smallest "
@@ -990,10 +521,10 @@ class HierarchicalModelAverager(_Averager):
                 "Only the last (global) group of period_group_dict may be None; name the "
                 f"axes of the others, got {dict(zip(periods, groups))}."
             )
+        warmup = _validate.nonnegative_int(self.warmup_steps, "warmup_steps")
+        object.__setattr__(self, "warmup_steps", warmup)
+        object.__setattr__(self, "_schedule", HierarchicalSchedule(tuple(periods), warmup))
         object.__setattr__(self, "period_group_dict", tuple(zip(periods, groups)))
-        object.__setattr__(
-            self, "warmup_steps", check_nonnegative_int(self.warmup_steps, "warmup_steps")
-        )
         pg = _collectives.normalize_group(self.process_group, "process_group")
         object.__setattr__(self, "process_group", pg)
         self._check_groups(groups, pg)
@@ -1028,6 +559,17 @@ class HierarchicalModelAverager(_Averager):
                 )
 
     @property
+    def sync_schedule(self) -> HierarchicalSchedule:
+        """The schedule: a HierarchicalSchedule of the periods.
+
+        Example:
+          >>> import lsgd_jax
+          >>> lsgd_jax.HierarchicalModelAverager({2: "local", 8: ("node", "local")}).cycle
+          8
+        """
+        return self._schedule  # type: ignore[attr-defined]
+
+    @property
     def periods(self) -> tuple[int, ...]:
         """The periods, in increasing order."""
         return tuple(p for p, _ in self.period_group_dict)
@@ -1035,10 +577,6 @@ class HierarchicalModelAverager(_Averager):
     @property
     def groups(self) -> tuple[Group | None, ...]:
         return tuple(g for _, g in self.period_group_dict)
-
-    @property
-    def cycle(self) -> int:  # type: ignore[override]
-        return math.lcm(*self.periods)
 
     def level(self, step: Any) -> Any:
         """Which group a call at ``step`` averages: 0 for none, k for the k-th (1-based).
@@ -1055,27 +593,16 @@ class HierarchicalModelAverager(_Averager):
           >>> [avg.level(s) for s in range(4)]
           [2, 1, 1, 2]
         """
-        if isinstance(step, jax.Array) or not isinstance(step, int):
-            step = jnp.asarray(step)
-            level = jnp.zeros_like(step, dtype=jnp.int32)
-            for k, p in enumerate(self.periods, start=1):
-                level = jnp.where(step % p == 0, k, level)  # the largest period wins
-            return jnp.where(step >= self.warmup_steps, level, 0)
-        if step < self.warmup_steps:
-            return 0
-        return max((k for k, p in enumerate(self.periods, 1) if step % p == 0), default=0)
+        return self.sync_schedule.level(step)
 
-    def _resolve_groups(self) -> tuple[Group, ...]:
+    def _branch_groups(self) -> list[tuple[Group, Any, bool]]:
         what = "HierarchicalModelAverager"
         default = _collectives.global_axes(what)
         global_group = self.process_group
         global_group = _collectives.resolve(global_group, default, what + " (process_group)")
         groups = [_collectives.resolve(g, lambda: global_group, what) for g in self.groups]
         self._check_groups(groups, global_group)
-        return tuple(groups)
-
-
-Averager = Union[PeriodicModelAverager, HierarchicalModelAverager]
+        return [(g, None, k == len(groups) - 1) for k, g in enumerate(groups)]
 
 
 Averager = Union[PeriodicModelAverager, HierarchicalModelAverager]

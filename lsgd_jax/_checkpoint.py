@@ -24,6 +24,7 @@ import numpy as np
 
 from lsgd_jax import _checkpoint_config as _config
 from lsgd_jax import _checkpoint_files as _files
+from lsgd_jax import _validate
 from lsgd_jax._checkpoint_files import UnreadableCheckpointError
 from lsgd_jax._sync import assert_replicas_in_sync
 
@@ -113,8 +114,7 @@ def save_checkpoint(
       ...     lsgd_jax.latest_checkpoint_step(ckpt_dir)
       10
     """
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-        raise ValueError(f"save_checkpoint: step must be a non-negative int, got {step!r}.")
+    step = _validate.nonnegative_int(step, "save_checkpoint: step")
     ocp = _ocp()
     paths, leaves, treedef = _flatten(tree)
     leaves = [_as_array(p, x) for p, x in zip(paths, leaves)]

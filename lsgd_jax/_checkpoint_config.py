@@ -21,9 +21,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from lsgd_jax._averaging import ModelAveragerState
-from lsgd_jax._state import _META as _HOOK_FIELDS
-from lsgd_jax._state import PostLocalSGDState
+from lsgd_jax._averager_state import ModelAveragerState
+from lsgd_jax._state import _META, PostLocalSGDState
+
+_HOOK_FIELDS = (*_META, "communication")
 
 _ADDRESS = re.compile(r"\s+at 0x[0-9a-fA-F]+|0x[0-9a-fA-F]{6,}")
 _FUNCTION_DEPTH = 8  # nested functions followed through closures (optax.chain of chains)
@@ -247,6 +248,8 @@ def differences(manifest: dict, paths: list[str], treedef: str, target: Any) -> 
             continue
         for field in dict.fromkeys([*a["fields"], *b["fields"]]):
             x, y = (f.get(field, "(absent)") for f in (a["fields"], b["fields"]))
+            if {x, y} == {"(absent)", "None"}:  # a field added since, at its default
+                continue
             if x != y:
                 lines.append(f"{name}.{field}: {_short_pair(x, y)}")
     shape = skeleton(target)

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from lsgd_jax import _compat, _validate
+
 AxisName = Hashable
 Axes = tuple[AxisName, ...]
 
@@ -109,9 +111,8 @@ def node_groups(axis_name: AxisName, devices_per_node: int | None = None) -> Ind
         for i, d in enumerate(devices):
             by_process.setdefault(d.process_index, []).append(i)
         return IndexGroups(axis_name, tuple(tuple(g) for g in by_process.values()))
-    if isinstance(devices_per_node, bool) or not isinstance(devices_per_node, int):
-        raise TypeError(f"devices_per_node must be an int, got {devices_per_node!r}.")
-    if devices_per_node < 1 or len(devices) % devices_per_node:
+    devices_per_node = _validate.positive_int(devices_per_node, "node_groups: devices_per_node")
+    if len(devices) % devices_per_node:
         raise ValueError(
             f"node_groups: devices_per_node={devices_per_node} must be a positive divisor of "
             f"the {len(devices)} devices."
@@ -176,9 +177,7 @@ def bound_axes() -> Axes:
     if manual:
         # Keep the mesh's order, which is the row-major replica order.
         return tuple(a for a in mesh.axis_names if a in manual)
-    from jax._src import core  # pmap and vmap axis names; no public API exposes them
-
-    return tuple(core.unsafe_get_axis_names())
+    return _compat.mapped_axis_names()  # pmap and vmap axes: no public API yet
 
 
 class AxisNotBoundError(NameError):
@@ -389,9 +388,7 @@ def _all_gather(x: jax.Array, axis: Any, kwargs: dict) -> jax.Array:
     values; JAX's ``all_gather_invariant`` (not yet public) says so, which lets the
     result become a replicated (``P()``) value, e.g. an averager's anchor.
     """
-    from jax._src.lax import parallel
-
-    invariant = getattr(parallel, "all_gather_invariant", None)
+    invariant = _compat.all_gather_invariant()
     if invariant is not None and not kwargs:
         return invariant(x, axis, tiled=True)
     return lax.all_gather(x, axis, tiled=True, **kwargs)
@@ -448,3 +445,12 @@ def compressed_mean(tree: Any, group: Group, dtype: Any, cast: bool = True) -> A
         piece = piece.astype(x.dtype)
         out[i] = cast_varying(piece, vma(x)) if cast else piece
     return jax.tree.unflatten(treedef, out)
+
+
+def cast_like(tree: Any, like: Any) -> Any:
+    """``tree`` with the dtypes and varying-axes types of ``like`` (cond branches agree)."""
+    return jax.tree.map(
+        lambda x, y: cast_varying(jnp.asarray(x).astype(y.dtype), vma(y)),
+        tree,
+        like,
+    )

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from lsgd_jax import _collectives
+from lsgd_jax import _collectives, comm
 from lsgd_jax._collectives import GroupSpec
 from lsgd_jax._state import PostLocalSGDState
 
@@ -85,14 +85,18 @@ def post_localSGD_hook(state: PostLocalSGDState, grads: Any) -> tuple[Any, PostL
             f"{type(state).__name__}; create one with lsgd_jax.PostLocalSGDState(...)."
         )
     global_group, subgroup = _groups(state)
+    communication = state.communication or comm.flat()
+
+    def mean(grads, group):
+        return comm.apply(communication, grads, group, None, step=state.iter).value
 
     def global_step(grads, state):
-        return _collectives.mean(grads, global_group), state.maybe_increase_iter()
+        return mean(grads, global_group), state.maybe_increase_iter()
 
     def local_step(grads, state):
         if subgroup is None:
             return grads, state
-        return _collectives.mean(grads, subgroup), state
+        return mean(grads, subgroup), state
 
     with jax.named_scope("post_localSGD_hook"):  # names its collectives in the HLO
         if state.start_localSGD_iter == 0:  # static: local from the first step, no cond
@@ -108,6 +112,7 @@ def post_local_sgd(
     process_group: GroupSpec = None,
     subgroup: GroupSpec = None,
     post_local_gradient_allreduce: bool = True,
+    communication: comm.Communication | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Post-local SGD gradient averaging as an optax transformation.
 
@@ -128,6 +133,8 @@ def post_local_sgd(
       subgroup: one node's axes; None: ``"local"``. An IndexGroups under ``jax.pmap``.
       post_local_gradient_allreduce: if False, gradients are not averaged at all after the
         switch (pure local SGD between model averages).
+      communication: how the gradient means travel, a ``lsgd_jax.comm`` strategy; None:
+        one all-reduce (``comm.flat()``, PyTorch's).
 
     Returns:
       An optax.GradientTransformationExtraArgs.
@@ -146,7 +153,11 @@ def post_local_sgd(
     """
     # Validate eagerly (the state constructor checks and logs once, here).
     template = PostLocalSGDState(
-        process_group, subgroup, start_localSGD_iter, post_local_gradient_allreduce
+        process_group,
+        subgroup,
+        start_localSGD_iter,
+        post_local_gradient_allreduce,
+        communication=communication,
     )
 
     def init_fn(params: optax.Params) -> PostLocalSGDState:

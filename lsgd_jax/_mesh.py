@@ -10,6 +10,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from lsgd_jax import _validate
+
 NODE_AXIS = "node"
 LOCAL_AXIS = "local"
 
@@ -61,8 +63,8 @@ def make_mesh(
         devices if devices is not None else jax.devices(), key=lambda d: (d.process_index, d.id)
     )
     for name, v in (("num_nodes", num_nodes), ("devices_per_node", devices_per_node)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ValueError(f"make_mesh: {name} must be a positive int, got {v!r}.")
+        if v is not None:
+            _validate.positive_int(v, f"make_mesh: {name}")
     if num_nodes is None and devices_per_node is None:
         num_nodes = jax.process_count() if devices is None else 1
     if num_nodes is None:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from lsgd_jax import _collectives
-from lsgd_jax._averaging import Averager, ModelAveragerState, _check_state, check_averager
+from lsgd_jax import _average_call, _collectives
+from lsgd_jax._averager_state import ModelAveragerState, check_state
+from lsgd_jax._averaging import Averager, check_averager
+from lsgd_jax._struct import Struct, pytree_dataclass
 
 
 def averaged_updates(
@@ -24,7 +27,7 @@ def averaged_updates(
     Returns:
       ``(updates, extra, new_state)``.
     """
-    _check_state(state, "model_averaging", averager)
+    check_state(state, "model_averaging", averager)
 
     def prepare(op):
         u, p, e = op
@@ -47,8 +50,8 @@ def averaged_updates(
         u, p, e = op
         return _collectives.cast_tree_like(u, u, p), e
 
-    (updates, extra), state = averager._apply(
-        (updates, params, extra), state, prepare, finish, passthrough
+    (updates, extra), state = _average_call.run(
+        averager, (updates, params, extra), state, prepare, finish, passthrough
     )
     return updates, extra, averager._advance(state)
 
@@ -107,11 +110,14 @@ def model_averaging(averager: Averager) -> optax.GradientTransformationExtraArgs
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-class PostLocalSGDOptimizerState(NamedTuple):
+@pytree_dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
+class PostLocalSGDOptimizerState(Struct):
     """The state of :func:`post_local_sgd_optimizer`.
 
     Attributes:
-      inner_state: the wrapped optimizer's state (never averaged).
+      inner_state: the wrapped optimizer's state (never averaged, unless chosen with
+        ``average_opt_state``).
       averager_state: the averager's ModelAveragerState; restoring it from a checkpoint
         keeps the averaging schedule (no second warm-up).
     """

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 
 from lsgd_jax import _collectives
-from lsgd_jax._averaging import ModelAveragerState
+from lsgd_jax._averager_state import ModelAveragerState
 from lsgd_jax._hook import DEFAULT_SUBGROUP
 from lsgd_jax._state import PostLocalSGDState
 

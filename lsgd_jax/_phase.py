@@ -22,8 +22,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from lsgd_jax._averaging import ModelAveragerState
+from lsgd_jax._averager_state import ModelAveragerState
 from lsgd_jax._state import PostLocalSGDState
 
 
@@ -31,8 +32,8 @@ def _is_state(x: Any) -> bool:
     return isinstance(x, (PostLocalSGDState, ModelAveragerState))
 
 
-def _branching(opt_state: Any) -> list[Any]:
-    """The states with more than one phase, in tree order."""
+def branching_states(opt_state: Any) -> list[Any]:
+    """The hook and averager states with more than one phase, in tree order."""
     leaves = jax.tree.leaves(opt_state, is_leaf=_is_state)
     return [x for x in leaves if _is_state(x) and x.num_phases > 1]
 
@@ -57,7 +58,7 @@ def num_phases(opt_state: Any) -> int:
       4
     """
     n = 1
-    for state in _branching(opt_state):
+    for state in branching_states(opt_state):
         n *= state.num_phases
     return n
 
@@ -85,7 +86,7 @@ def phase_index(opt_state: Any) -> jax.Array:
       2
     """
     index = jnp.zeros([], jnp.int32)
-    for state in _branching(opt_state):
+    for state in branching_states(opt_state):
         index = index * state.num_phases + state.phase
     return index
 
@@ -107,3 +108,74 @@ def unpin(opt_state: Any) -> Any:
         opt_state,
         is_leaf=_is_state,
     )
+
+
+def _first(x: Any) -> int:
+    """The first value of a counter held here (per-replica or not), as a Python int;
+    the replicas' counters agree, so any process reads its own."""
+    if isinstance(x, jax.Array):
+        x = x.addressable_data(0)
+    return int(np.asarray(x).reshape(-1)[0])
+
+
+def counters_snapshot(opt_state: Any) -> list[Any]:
+    """The branching states with their counters as host ints and nothing else: what a
+    replay needs, read from this process's own shards (a few ints, any process)."""
+    out = []
+    for state in branching_states(opt_state):
+        if isinstance(state, PostLocalSGDState):
+            out.append(state.replace(iter=_first(state.iter)))
+        else:
+            last = _first(state.last_sync) if state.last_sync is not None else None
+            out.append(
+                state.replace(
+                    step=_first(state.step),
+                    last_sync=last,
+                    anchor=None,
+                    outer_state=None,
+                    outer_count=None,
+                    comm_state=None,
+                )
+            )
+    return out
+
+
+def replay_phases(opt_state: Any, num_steps: int) -> np.ndarray:
+    """The phase index of each of the next ``num_steps`` steps, replayed in plain Python.
+
+    From the counters in ``opt_state`` (per-replica or not; replica 0's are read), each
+    hook and averager is stepped by its own rule (``sync_schedule``), assuming one update
+    per step (under ``optax.MultiSteps`` the states advance once per emitted update).
+    What benchmarks and examples use to know, without running anything, which branch of
+    the step (and so which collectives) each step takes.
+
+    Args:
+      opt_state: an optax state, e.g. ``tx.init(params)`` or a replicated one.
+      num_steps: how many steps.
+
+    Returns:
+      An int32 array of :func:`phase_index` values, one per step.
+
+    Example:
+      >>> import optax, lsgd_jax
+      >>> tx = optax.chain(lsgd_jax.post_local_sgd(2), optax.sgd(0.1),
+      ...     lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(2, warmup_steps=2)))
+      >>> lsgd_jax.replay_phases(tx.init({}), 6).tolist()   # hook 1 then 0; averages at 2, 4
+      [2, 2, 1, 0, 1, 0]
+    """
+    index = np.zeros(num_steps, np.int64)
+    for state in branching_states(opt_state):
+        if isinstance(state, PostLocalSGDState):
+            first = _first(state.iter)
+            digits = [int(first + t < state.start_localSGD_iter) for t in range(num_steps)]
+        else:
+            schedule = state.averager.sync_schedule
+            step = _first(state.step)
+            last = _first(state.last_sync) if state.last_sync is not None else 0
+            digits = []
+            for s in range(step, step + num_steps):
+                level = schedule.level(s, last)
+                digits.append(level)
+                last = s if level else last
+        index = index * state.num_phases + np.asarray(digits, np.int64)
+    return index.astype(np.int32)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -10,30 +11,34 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from lsgd_jax import _collectives
+from lsgd_jax import _collectives, _validate
 from lsgd_jax._collectives import GroupSpec
+from lsgd_jax._struct import Struct, pytree_dataclass, static_field
 
 logger = logging.getLogger("lsgd_jax")
 
 _META = ("process_group", "subgroup", "start_localSGD_iter", "post_local_gradient_allreduce")
-_STATIC = (*_META, "pinned_phase")
-
-
-def check_nonnegative_int(value: Any, name: str) -> int:
-    """Returns ``value`` as an int; raises if it is not a non-negative integer."""
-    if isinstance(value, bool) or not isinstance(value, (int, jnp.integer)):
-        raise TypeError(f"{name} must be a Python int, got {value!r} ({type(value).__name__}).")
-    if value < 0:
-        raise ValueError(f"{name} must be a non-negative number, got {value}; use 0 or more.")
-    return int(value)
 
 
 def _log_start(iteration: Any) -> None:
     logger.info("Start to apply local SGD after %s iterations.", int(iteration))
 
 
-@jax.tree_util.register_pytree_with_keys_class
-class PostLocalSGDState:
+def _check_communication(communication: Any, what: str) -> Any:
+    """None (the default all-reduce) or a lsgd_jax.comm strategy."""
+    from lsgd_jax import comm
+
+    if communication is not None and not isinstance(communication, comm.Communication):
+        raise TypeError(
+            f"{what}: communication must be a lsgd_jax.comm strategy (e.g. "
+            f"lsgd_jax.comm.flat()), got {communication!r}."
+        )
+    return communication
+
+
+@pytree_dataclass
+@dataclasses.dataclass(frozen=True, init=False, eq=False, repr=False)
+class PostLocalSGDState(Struct):
     """The state of :func:`post_localSGD_hook`: a step count and where to average.
 
     An immutable pytree. Its only array leaf is ``iter`` (an int32 scalar, 0 at
@@ -54,6 +59,9 @@ class PostLocalSGDState:
       post_local_gradient_allreduce: whether gradients are still averaged inside the
         subgroup after the switch (``False``: they are left untouched).
       iter: int32 scalar array, the step count.
+      communication: how the gradient means travel: a ``lsgd_jax.comm`` strategy, or
+        None for one all-reduce (``comm.flat()``, PyTorch's). Keyword-only, after
+        PyTorch's positional signature.
       pinned_phase: None, or (static) the phase the hook takes whatever ``iter`` says:
         set by whoever specializes a step per phase (see :func:`phase_index`), in the
         state's static metadata so that every trace cache keys on it.
@@ -67,7 +75,13 @@ class PostLocalSGDState:
       2
     """
 
-    __slots__ = ("iter", *_STATIC)
+    iter: jax.Array
+    process_group: Any = static_field()
+    subgroup: Any = static_field()
+    start_localSGD_iter: int = static_field()
+    post_local_gradient_allreduce: bool = static_field()
+    communication: Any = static_field()
+    pinned_phase: int | None = static_field()
 
     def __init__(
         self,
@@ -75,67 +89,24 @@ class PostLocalSGDState:
         subgroup: GroupSpec,
         start_localSGD_iter: int,
         post_local_gradient_allreduce: bool = True,
+        *,
+        communication: Any = None,
     ) -> None:
-        start = check_nonnegative_int(start_localSGD_iter, "start_localSGD_iter")
-        if not isinstance(post_local_gradient_allreduce, bool):
-            raise TypeError(
-                "post_local_gradient_allreduce must be True or False, got "
-                f"{post_local_gradient_allreduce!r}."
-            )
-        self._set(
-            jnp.zeros([], jnp.int32),
-            _collectives.normalize_group(process_group, "process_group"),
-            _collectives.normalize_group(subgroup, "subgroup"),
-            start,
-            post_local_gradient_allreduce,
-            None,
-        )
-        logger.info("Local SGD will be started after %s iterations", start)
-
-    def _set(self, iter_, *meta: Any) -> None:
-        object.__setattr__(self, "iter", iter_)
-        for name, value in zip(_STATIC, meta):
+        start = _validate.nonnegative_int(start_localSGD_iter, "start_localSGD_iter")
+        fields = {
+            "iter": jnp.zeros([], jnp.int32),
+            "process_group": _collectives.normalize_group(process_group, "process_group"),
+            "subgroup": _collectives.normalize_group(subgroup, "subgroup"),
+            "start_localSGD_iter": start,
+            "post_local_gradient_allreduce": _validate.boolean(
+                post_local_gradient_allreduce, "post_local_gradient_allreduce"
+            ),
+            "communication": _check_communication(communication, "PostLocalSGDState"),
+            "pinned_phase": None,
+        }
+        for name, value in fields.items():
             object.__setattr__(self, name, value)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(
-            f"PostLocalSGDState is immutable; use state.replace({name}=...) for a new one."
-        )
-
-    # Pytree protocol: unflattening (and replace) bypasses __init__, so it never logs.
-    def tree_flatten(self):
-        return (self.iter,), tuple(getattr(self, n) for n in _STATIC)
-
-    def tree_flatten_with_keys(self):
-        return ((jax.tree_util.GetAttrKey("iter"), self.iter),), self.tree_flatten()[1]
-
-    @classmethod
-    def tree_unflatten(cls, meta, children):
-        obj = object.__new__(cls)
-        obj._set(children[0], *meta)
-        return obj
-
-    def replace(self, **changes: Any) -> PostLocalSGDState:
-        """Returns a copy with the given fields replaced (no logging, no validation).
-
-        Args:
-          **changes: new values by field name, e.g. ``iter=jnp.int32(5)``.
-
-        Returns:
-          A new PostLocalSGDState.
-
-        Example:
-          >>> import jax.numpy as jnp, lsgd_jax
-          >>> s = lsgd_jax.PostLocalSGDState(None, None, 4).replace(iter=jnp.int32(3))
-          >>> int(s.iter)
-          3
-        """
-        unknown = set(changes) - {"iter", *_STATIC}
-        if unknown:
-            raise TypeError(f"PostLocalSGDState has no field(s) {sorted(unknown)}.")
-        obj = object.__new__(type(self))
-        obj._set(*(changes.get(n, getattr(self, n)) for n in ("iter", *_STATIC)))
-        return obj
+        logger.info("Local SGD will be started after %s iterations", start)
 
     @property
     def num_phases(self) -> int:

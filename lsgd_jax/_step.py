@@ -1,4 +1,9 @@
-"""data_parallel_step: a per-replica loss function into a jitted post-local SGD step."""
+"""data_parallel_step: a per-replica loss function into a jitted post-local SGD step.
+
+The step is a :class:`DataParallelStep`: it checks its inputs, chooses the compiled
+program of this step's phase (``_step_program``) from the step counters it follows on
+the host, and keeps at most a few steps in flight.
+"""
 
 from __future__ import annotations
 
@@ -9,117 +14,26 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
-from jax import lax
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from lsgd_jax import _collectives, _pairing, _phase
-from lsgd_jax._averaging import ModelAveragerState
+from lsgd_jax import _phase, _step_program, _validate
 from lsgd_jax._mesh import _num_replicas, data_axes
-from lsgd_jax._sync import assert_replicas_in_sync
+from lsgd_jax._step_program import MAX_PHASES, StepSpec, averager_states
+from lsgd_jax._sync import assert_replicas_in_sync, step_counters
 
+__all__ = ["MAX_PHASES", "DataParallelStep", "averager_states", "data_parallel_step"]
 
-def averager_states(opt_state: Any) -> list[ModelAveragerState]:
-    """The ModelAveragerStates inside an optimizer state (e.g. of ``model_averaging``).
-
-    Args:
-      opt_state: any optax state.
-
-    Returns:
-      The list of ModelAveragerState nodes, in tree order.
-
-    Example:
-      >>> import optax, lsgd_jax
-      >>> tx = optax.chain(optax.sgd(0.1),
-      ...                  lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(4)))
-      >>> [s.averager.period for s in lsgd_jax.averager_states(tx.init({}))]
-      [4]
-    """
-    is_state = lambda x: isinstance(x, ModelAveragerState)  # noqa: E731
-    return [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
-
-
-def _average_like_params(model_state: Any, opt_state: Any, new_opt_state: Any) -> Any:
-    """Averages ``model_state`` on the steps (and over the group) the params averaged.
-
-    Only where the averager really ran: a wrapper such as ``optax.MultiSteps`` or
-    ``optax.apply_if_finite`` can keep the inner state (and so the averager's step) as it
-    was, and then the params did not average either.
-    """
-    states = averager_states(opt_state)
-    if not states:
-        return model_state
-    if len(states) > 1:
-        raise ValueError(
-            f"data_parallel_step: the optimizer holds {len(states)} model averagers; with "
-            "model state there must be at most one, to know when to average it."
-        )
-    (state,) = states
-    (after,) = averager_states(new_opt_state)
-    return lax.cond(
-        after.step != state.step,
-        lambda tree: state.averager.average_alongside(tree, state),
-        lambda tree: tree,
-        model_state,
-    )
-
-
-MAX_PHASES = 16
-
-
-def _update(tx: Any, with_model_state: bool, operands: tuple) -> tuple:
-    """The optimizer's update and its application: the part that depends on the phase."""
-    params, model_state, opt_state, grads = operands
-    updates, new_opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    if with_model_state:
-        model_state = _average_like_params(model_state, opt_state, new_opt_state)
-    return params, model_state, new_opt_state
-
-
-def _update_per_phase(tx: Any, with_model_state: bool, operands: tuple, axes: frozenset):
-    """One ``lax.switch`` over the phases, each branch the update with the states pinned.
-
-    The gradients come in computed (once, outside the switch): only the update, the
-    collectives and their application are traced per phase.
-    """
-    opt_state = operands[2]
-
-    def branch(k):
-        def run(params, model_state, opt_state, grads):
-            pinned = (params, model_state, _phase.pin(opt_state, k), grads)
-            params, model_state, new_opt_state = _update(tx, with_model_state, pinned)
-            out = (params, model_state, _phase.unpin(new_opt_state))
-            # every branch returns per-replica values: type them all alike
-            return jax.tree.map(lambda x: _collectives.cast_varying(x, axes), out)
-
-        return run
-
-    n = _phase.num_phases(opt_state)
-    return lax.switch(_phase.phase_index(opt_state), [branch(k) for k in range(n)], *operands)
-
-
-def _check_optimizer(opt_state: Any) -> None:
-    """How the chain's pieces fit (see check_configuration), and a chain without a hook."""
-    _pairing.check_configuration(opt_state)
-    if not _pairing.has_hook(opt_state) and averager_states(opt_state):
-        raise ValueError(
-            "data_parallel_step: the optimizer averages models but has no post_local_sgd "
-            "hook, so the step would average gradients over every replica (DDP) and the "
-            "replicas would never differ. For post-local SGD put lsgd_jax.post_local_sgd("
-            "start_localSGD_iter) first in the chain; for local SGD without any gradient "
-            "averaging, lsgd_jax.post_local_sgd(0, post_local_gradient_allreduce=False)."
-        )
-
-
-def _metrics_mean(tree: Any, axes: tuple[str, ...]) -> Any:
-    def one(x):
-        if _collectives.is_averaged(x):
-            return lax.pmean(x, axes)
-        return lax.psum(x, axes)
-
-    return jax.tree.map(one, tree)
+# Wrappers whose inner state (ours inside) may skip an update: the host cannot follow
+# the counters through them, so such steps branch on the device ("switch").
+_SKIPPING_WRAPPERS = (
+    optax.MultiStepsState,
+    optax.ApplyIfFiniteState,
+    optax.ConditionallyTransformState,
+    optax.ConditionallyMaskState,
+    optax.MaskedState,
+)
 
 
 def _path_name(path: Any) -> str:
@@ -195,7 +109,8 @@ def data_parallel_step(
     donate: bool = True,
     max_in_flight: int | None = 8,
     check_in_sync_every: int | None = None,
-    specialize: bool = True,
+    specialize: bool | str = True,
+    lowering: str = "shard_map",
 ) -> DataParallelStep:
     """A jitted, donated ``shard_map`` training step over per-replica params and state.
 
@@ -252,17 +167,31 @@ def data_parallel_step(
         waits for the loss of the step that many calls back). Unbounded async dispatch
         can deadlock XLA's in-process CPU collectives: seen with 8 simulated devices on
         2 cores after about 150 queued steps (jax 0.10.2). None: no limit.
-      specialize: compute the gradients once, then run the update (the hook's
-        collective, the optimizer, the averager's collective, applying the updates)
-        under ONE ``lax.switch`` over the phases (global or node-local gradient mean,
-        times each averaging level), each branch traced with every state pinned to its
-        phase (:func:`phase_index`), instead of a ``lax.cond`` per transform: each
-        branch is then straight-line code that XLA fuses like a hand-written step (the
-        conds cost 12-30% of a 10M-parameter step on CPU; see benchmarks/overhead.py).
-        The math is the same; the pin is static metadata of the states, so a
-        ``jax.jit`` or ``jax.checkpoint`` around ``tx.update`` traces each phase
-        apart. At most ``MAX_PHASES`` (16) phases, else it falls back to the conds. A
-        collective's ``branch`` in :func:`communication_report` is the phase index.
+      specialize: how the step's branches are compiled. ``True`` (default): one
+        program per phase (global or node-local gradient mean, times each averaging
+        level; see :func:`phase_index`), compiled when that phase first occurs and
+        chosen on the host from the step counters, each with every hook and averager
+        pinned to its branch, so it is straight-line code as fast as a hand-written
+        step: the gradient all-reduce overlaps the backward pass, and the first step
+        compiles one phase only. The host follows the counters itself (no wait for the
+        device); each program also checks the phase on the device, and a program that
+        meets another phase leaves the state unchanged and the step raises an error a
+        few calls later. Under wrappers that may skip an update (``optax.MultiSteps``,
+        ``apply_if_finite``, ``conditionally_transform``, ``masked``... whose states
+        hold ours) it uses ``"switch"`` instead. ``"switch"``: one program, the whole
+        step traced once per phase under one ``lax.switch`` (as fast, but every phase
+        compiled at once; at most ``MAX_PHASES``, 16, else the conds). ``False``: one
+        program with a ``lax.cond`` per transform (fuses worse: 12-40% slower on CPU,
+        see benchmarks/overhead.py). The pin is static metadata of the states, so a
+        ``jax.jit`` or ``jax.checkpoint`` around ``tx.update`` traces each phase apart.
+        A collective's ``branch`` in :func:`communication_report` is the phase index.
+      lowering: ``"shard_map"`` (default): the whole per-replica step runs inside one
+        ``jax.shard_map`` over the data axes. ``"jit"``: for pjit-style code that never
+        writes ``shard_map``: ``loss_fn`` runs under plain ``jax.jit``, mapped over the
+        replica axis with ``jax.vmap`` (model axes sharded by the compiler, as in the
+        rest of such a codebase), and only the update, whose means must name the data
+        axes, runs inside a ``shard_map`` of its own. The same signature, layout,
+        collectives (each conditional on its phase as before) and numbers.
       check_in_sync_every: on the first call and then every this many calls, run
         :func:`assert_replicas_in_sync` on the incoming optimizer state, so that replicas
         or processes whose step counters differ fail with an error instead of hanging
@@ -300,78 +229,27 @@ def data_parallel_step(
             f"data_parallel_step: the mesh has axes {mesh.axis_names}, not {missing}; pass "
             "axes=<its data-parallel axes> or build it with lsgd_jax.make_mesh()."
         )
-    n = _num_replicas(mesh, axes)
-    if check_in_sync_every is not None and (
-        isinstance(check_in_sync_every, bool)
-        or not isinstance(check_in_sync_every, int)
-        or check_in_sync_every < 1
-    ):
+    if specialize not in (True, False, "switch"):
         raise ValueError(
-            "data_parallel_step: check_in_sync_every must be a positive int or None, got "
-            f"{check_in_sync_every!r}."
+            f"data_parallel_step: specialize must be True, False or 'switch', got {specialize!r}."
         )
-    rep = P(axes)
-    value_and_grad = jax.value_and_grad(loss_fn, has_aux=has_aux or with_model_state)
-
-    def gradients(params, model_state, batch):
-        aux = None
-        if with_model_state:
-            (loss, out), grads = value_and_grad(params, model_state, batch)
-            model_state, aux = out if has_aux else (out, None)
-        elif has_aux:
-            (loss, aux), grads = value_and_grad(params, batch)
-        else:
-            loss, grads = value_and_grad(params, batch)
-        return loss, aux, grads, model_state
-
-    def body(params, model_state, opt_state, batch):
-        params, model_state, opt_state = jax.tree.map(
-            lambda x: x[0], (params, model_state, opt_state)
-        )
-        _check_optimizer(opt_state)
-        loss, aux, grads, model_state = gradients(params, model_state, batch)
-        if not _pairing.has_hook(opt_state):  # no post_local_sgd: DDP
-            with jax.named_scope("ddp"):
-                grads = _collectives.mean(grads, axes)
-        operands = (params, model_state, opt_state, grads)
-        if specialize and 1 < _phase.num_phases(opt_state) <= MAX_PHASES:
-            out = _update_per_phase(tx, with_model_state, operands, frozenset(axes))
-        else:
-            out = _update(tx, with_model_state, operands)
-        out = jax.tree.map(lambda x: x[None], out)
-        with jax.named_scope("metrics"):
-            loss, aux = lax.pmean(loss, axes), _metrics_mean(aux, axes)
-        return (*out, loss, aux)
-
-    manual = frozenset(axes)
-    kwargs = {} if manual == frozenset(mesh.axis_names) else {"axis_names": manual}
-    mapped = jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=(rep, rep, rep, rep),
-        out_specs=(rep, rep, rep, P(), P()),
-        **kwargs,
+    _validate.one_of(
+        lowering,
+        "data_parallel_step: lowering",
+        ("shard_map", "jit"),
+        ": 'shard_map' (the whole step in one shard_map) or 'jit' (the loss under plain "
+        "jax.jit, the collectives in a shard_map of their own)",
     )
-    jitted = jax.jit(mapped, donate_argnums=(0, 1, 2) if donate else ())
-
-    def check(params, model_state, opt_state, batch):
-        _check_replicated(params, "params", n, mesh, axes)
-        _check_replicated(opt_state, "opt_state", n, mesh, axes)
-        if with_model_state:
-            _check_replicated(model_state, "model_state", n, mesh, axes)
-        _check_batch(batch, n, mesh, axes)
-
-    if max_in_flight is not None and max_in_flight < 1:
-        raise ValueError(
-            f"data_parallel_step: max_in_flight must be >= 1 or None, got {max_in_flight}."
-        )
+    spec = StepSpec(loss_fn, tx, mesh, axes, has_aux, with_model_state, donate, lowering)
     return DataParallelStep(
-        jitted,
-        check,
-        with_model_state=with_model_state,
-        has_aux=has_aux,
-        max_in_flight=max_in_flight,
-        check_in_sync_every=check_in_sync_every,
+        spec,
+        specialize=specialize,
+        max_in_flight=_validate.optional_positive_int(
+            max_in_flight, "data_parallel_step: max_in_flight"
+        ),
+        check_in_sync_every=_validate.optional_positive_int(
+            check_in_sync_every, "data_parallel_step: check_in_sync_every"
+        ),
     )
 
 
@@ -385,31 +263,49 @@ class DataParallelStep:
     communicates, compiled for those arguments without running it.
 
     Attributes:
-      jitted: the underlying ``jax.jit`` function, with the signature ``(params,
-        model_state, opt_state, batch) -> (params, model_state, opt_state, loss, aux)``
-        (``model_state`` and ``aux`` None where unused).
+      jitted: the step as ONE ``jax.jit`` function (every phase in it, under one
+        ``lax.switch``, or with the transforms' conds when ``specialize=False``), with
+        the signature ``(params, model_state, opt_state, batch) -> (params,
+        model_state, opt_state, loss, aux, ok)`` (``model_state`` and ``aux`` None
+        where unused): what reports and exports read. Calls use one program per phase.
       with_model_state: whether the step takes and returns model state.
       has_aux: whether the step returns ``aux``.
     """
 
+    _CHECK_LAG = 16  # a phase program's ok flag is read this many calls later
+
     def __init__(
         self,
-        jitted: Any,
-        check: Callable[..., None],
+        spec: StepSpec,
         *,
-        with_model_state: bool,
-        has_aux: bool,
+        specialize: bool | str,
         max_in_flight: int | None,
         check_in_sync_every: int | None,
     ) -> None:
-        self.jitted = jitted
-        self.with_model_state = with_model_state
-        self.has_aux = has_aux
-        self._check = check
+        self._spec = spec
+        self.with_model_state = spec.with_model_state
+        self.has_aux = spec.has_aux
+        self._specialize = specialize
         self._max_in_flight = max_in_flight
         self._check_in_sync_every = check_in_sync_every
+        self._programs: dict[Any, Any] = {}
+        self._layouts: dict[Any, tuple[int | str | None, int]] = {}
         self._in_flight: collections.deque = collections.deque()
+        self._unchecked: collections.deque = collections.deque()
         self._calls = 0
+        self._plan: np.ndarray | None = None  # the phases replayed from a snapshot
+        self._snapshot: Any = None
+        self._position = 0  # index into the plan of the next call
+        self._expected: Any = None  # the counter array the last call returned
+
+    @property
+    def jitted(self) -> Any:
+        return self._program("cond" if self._specialize is False else "switch")
+
+    def _program(self, mode: int | str) -> Any:
+        if mode not in self._programs:
+            self._programs[mode] = _step_program.program(self._spec, mode)
+        return self._programs[mode]
 
     def jit_args(self, *args: Any) -> tuple[Any, Any, Any, Any]:
         """``(params, model_state, opt_state, batch)`` for :attr:`jitted` from the step's
@@ -427,6 +323,51 @@ class DataParallelStep:
         params, opt_state, batch = args
         return params, None, opt_state, batch
 
+    def _check(self, params: Any, model_state: Any, opt_state: Any, batch: Any) -> None:
+        spec = self._spec
+        n = _num_replicas(spec.mesh, spec.axes)
+        _check_replicated(params, "params", n, spec.mesh, spec.axes)
+        _check_replicated(opt_state, "opt_state", n, spec.mesh, spec.axes)
+        if spec.with_model_state:
+            _check_replicated(model_state, "model_state", n, spec.mesh, spec.axes)
+        _check_batch(batch, n, spec.mesh, spec.axes)
+
+    def _layout(self, opt_state: Any) -> tuple[int | str | None, int]:
+        """From the state's structure alone (cached by tree structure): a fixed program
+        (or None: one per phase, followed on the host), and where the first counter is
+        among the state's leaves."""
+        treedef = jax.tree.structure(opt_state)
+        if treedef not in self._layouts:
+            fixed: int | str | None = None
+            if self._specialize is not True or _phase.num_phases(opt_state) == 1:
+                fixed = "cond" if self._specialize is False else "switch"
+            else:
+                wrappers = jax.tree.leaves(
+                    opt_state, is_leaf=lambda x: isinstance(x, _SKIPPING_WRAPPERS)
+                )
+                if any(isinstance(x, _SKIPPING_WRAPPERS) for x in wrappers):
+                    fixed = "switch"
+            first = next(iter(step_counters(opt_state).values()), None)
+            index = next((i for i, x in enumerate(jax.tree.leaves(opt_state)) if x is first), -1)
+            self._layouts[treedef] = (fixed, index)
+        return self._layouts[treedef]
+
+    def _mode(self, opt_state: Any) -> tuple[int | str, int]:
+        """This call's program (its phase, followed on the host, or one program) and the
+        index of the state's first counter among its leaves."""
+        fixed, index = self._layout(opt_state)
+        if fixed is not None:
+            return fixed, index
+        if self._plan is None or jax.tree.leaves(opt_state)[index] is not self._expected:
+            # A state this step did not just return (the first call, a restored or
+            # reused state): read its counters once (the state must be computed).
+            self._snapshot = _phase.counters_snapshot(opt_state)
+            self._plan, self._position = _phase.replay_phases(self._snapshot, 8), 0
+        if self._position >= len(self._plan):
+            grown = 2 * len(self._plan)
+            self._plan = _phase.replay_phases(self._snapshot, grown)
+        return int(self._plan[self._position]), index
+
     def __call__(self, *args: Any) -> tuple[Any, ...]:
         params, model_state, opt_state, batch = self.jit_args(*args)
         every = self._check_in_sync_every
@@ -434,9 +375,17 @@ class DataParallelStep:
             assert_replicas_in_sync(opt_state)
         self._calls += 1
         self._check(params, model_state, opt_state, batch)
-        params, model_state, opt_state, loss, aux = self.jitted(
+        mode, index = self._mode(opt_state)
+        params, model_state, opt_state, loss, aux, ok = self._program(mode)(
             params, model_state, opt_state, batch
         )
+        if isinstance(mode, int):
+            self._position += 1
+            self._expected = jax.tree.leaves(opt_state)[index]
+            self._unchecked.append((self._calls, mode, ok))
+            if len(self._unchecked) >= 2 * self._CHECK_LAG:  # the older half, at once
+                for _ in range(self._CHECK_LAG):
+                    self._check_phase(*self._unchecked.popleft())
         if self._max_in_flight is not None:
             self._in_flight.append(loss)
             if len(self._in_flight) > self._max_in_flight:
@@ -444,6 +393,18 @@ class DataParallelStep:
         out = (params, model_state, opt_state, loss) if self.with_model_state else None
         out = out or (params, opt_state, loss)
         return out + ((aux,) if self.has_aux else ())
+
+    def _check_phase(self, call: int, mode: int, ok: Any) -> None:
+        # The phase comes from the counters, equal on every replica: one flag tells.
+        if not np.all(np.asarray(ok.addressable_data(0))):
+            raise RuntimeError(
+                f"data_parallel_step: call {call} ran the program of phase {mode}, but the "
+                "optimizer state was in another phase, so that step changed nothing (and "
+                "the later ones until now may not either). The step follows the step "
+                "counters on the host, assuming each call advances every hook and averager "
+                "by one; something in the optimizer skipped an update. Build the step with "
+                "specialize='switch', which branches on the device."
+            )
 
     def lower(self, *args: Any) -> Any:
         """``jitted.lower`` for the step's own arguments (``jax.stages.Lowered``)."""

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from lsgd_jax._averaging import ModelAveragerState
+from lsgd_jax._averager_state import ModelAveragerState
 from lsgd_jax._state import PostLocalSGDState
 
 # One record per counter value held here: (counter index, replica, device id, value).

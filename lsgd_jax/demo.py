@@ -66,12 +66,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ).mean()
 
     def run(name, start, period):
-        averager = lsgd_jax.PeriodicModelAverager(period, warmup_steps=start) if period else None
-        tx = optax.chain(
-            lsgd_jax.post_local_sgd(start),
-            optax.sgd(0.2, momentum=0.9),
-            *([lsgd_jax.model_averaging(averager)] if averager else []),
-        )
+        if start is None:  # DDP: a chain without the hook averages every step's gradients
+            averager, tx = None, optax.sgd(0.2, momentum=0.9)
+        else:
+            averager = lsgd_jax.PeriodicModelAverager(period, warmup_steps=start)
+            tx = optax.chain(
+                lsgd_jax.post_local_sgd(start),
+                optax.sgd(0.2, momentum=0.9),
+                lsgd_jax.model_averaging(averager),
+            )
         step = lsgd_jax.data_parallel_step(loss_fn, tx, mesh)
         p0 = init_params(jax.random.key(args.seed))
         params, opt_state = lsgd_jax.replicate(p0, mesh), lsgd_jax.replicate(tx.init(p0), mesh)
@@ -84,9 +87,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             params, opt_state, loss = step(params, opt_state, batch)
         loss = float(loss)
         seconds = time.perf_counter() - t0
-        hook_state = opt_state[0]
-        grad_global = int(np.asarray(hook_state.iter)[0])  # PyTorch's iter: global grad steps
-        averages = sum(averager.level(s) for s in range(args.steps)) if averager else 0
+        # PyTorch's iter counts the global gradient steps
+        grad_global = args.steps if start is None else int(np.asarray(opt_state[0].iter)[0])
+        averages = int(np.count_nonzero(averager.schedule(args.steps))) if averager else 0
         cross = report.where(axes=("node", "local"))
         grad_bytes = max((c.bytes for c in cross), default=0)
         model = lsgd_jax.consensus(params)
@@ -101,10 +104,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "seconds": seconds,
         }
 
-    rows = [run("DDP (global every step)", args.steps, 0)]
+    rows = [run("DDP (global every step)", None, 0)]
     for h in args.periods:
         rows.append(run(f"post-local SGD, H={h}", args.start, h))
+    print(f"{args.steps} steps, 2 nodes x 4 devices, switch at step {args.start}")
+    _print_table(rows)
+    return rows
 
+
+def _print_table(rows: list[dict]) -> None:
     cols = list(rows[0])
     fmt = {
         "train loss": "{:.4f}",
@@ -114,16 +122,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     }
     table = [cols] + [[fmt.get(c, "{}").format(r[c]) for c in cols] for r in rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(cols))]
-    print(f"{args.steps} steps, 2 nodes x 4 devices, switch at step {args.start}")
     for i, r in enumerate(table):
-        print(
-            "  ".join(
-                v.rjust(w) if i and j else v.ljust(w) for j, (v, w) in enumerate(zip(r, widths))
-            )
-        )
+        cells = (v.rjust(w) if i and j else v.ljust(w) for j, (v, w) in enumerate(zip(r, widths)))
+        print("  ".join(cells))
         if i == 0:
             print("  ".join("-" * w for w in widths))
-    return rows
 
 
 if __name__ == "__main__":

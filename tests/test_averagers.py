@@ -248,12 +248,12 @@ def test_a_callable_period_fails_loudly_at_the_int32_maximum():
 
 @pytest.mark.parametrize("period", [0, -3])
 def test_period_below_one_is_rejected(period):
-    with pytest.raises(ValueError, match=f"period must be a positive value, got {period}"):
+    with pytest.raises(ValueError, match=f"period must be a positive int, got {period}"):
         lsgd_jax.PeriodicModelAverager(period)
 
 
 def test_negative_warmup_is_rejected():
-    with pytest.raises(ValueError, match="warmup_steps must be a non-negative number, got -1"):
+    with pytest.raises(ValueError, match="warmup_steps must be a non-negative int, got -1"):
         lsgd_jax.PeriodicModelAverager(4, warmup_steps=-1)
     with pytest.raises(ValueError, match="warmup_steps"):
         lsgd_jax.HierarchicalModelAverager({4: None}, warmup_steps=-1)
@@ -279,7 +279,7 @@ def test_period_one_warns_as_pytorch_does():
     "groups, message",
     [
         ({}, "must be a non-empty dict"),
-        ({0: "local", 4: None}, "must be a positive value, got 0"),
+        ({0: "local", 4: None}, "must be a positive int, got 0"),
         ({4: "local", 2: None}, r"strictly increasing .* got \[4, 2\]"),
         ({2: ("node", "local"), 4: "local"}, "must be nested"),
         ({2: None, 4: ("node", "local")}, "Only the last"),

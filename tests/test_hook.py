@@ -208,9 +208,7 @@ def test_under_pmap_with_index_groups():
 
 
 def test_negative_start_is_rejected():
-    with pytest.raises(
-        ValueError, match="start_localSGD_iter must be a non-negative number, got -1"
-    ):
+    with pytest.raises(ValueError, match="start_localSGD_iter must be a non-negative int, got -1"):
         lsgd_jax.PostLocalSGDState(None, None, -1)
     with pytest.raises(ValueError, match="start_localSGD_iter"):
         lsgd_jax.post_local_sgd(-2)

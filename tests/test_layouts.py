@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -59,8 +60,8 @@ def place(tree, mesh, n, specs):
     )
 
 
-def run(mesh, tx, n, param_specs, axes=None, n_rows=32):
-    step = lsgd_jax.data_parallel_step(loss_fn, tx, mesh, axes=axes)
+def run(mesh, tx, n, param_specs, axes=None, n_rows=32, lowering="shard_map"):
+    step = lsgd_jax.data_parallel_step(loss_fn, tx, mesh, axes=axes, lowering=lowering)
     lead = P(axes or lsgd_jax.data_axes(mesh))[0]
     params = place(init(), mesh, n, param_specs)
     opt_state = jax.tree.map(
@@ -83,7 +84,8 @@ def plain(num_nodes, per_node):
     return run(mesh, tx_for(), n, specs)[0]
 
 
-def test_model_axis_stays_automatic_and_matches_plain_data_parallel():
+@pytest.mark.parametrize("lowering", ["shard_map", "jit"])
+def test_model_axis_stays_automatic_and_matches_plain_data_parallel(lowering):
     devices = np.array(jax.devices()).reshape(2, 2, 2)
     mesh = Mesh(devices, ("node", "local", "model"), axis_types=AUTO3)
     specs = {
@@ -91,7 +93,7 @@ def test_model_axis_stays_automatic_and_matches_plain_data_parallel():
         "b1": P(("node", "local"), "model"),
         "w2": P(("node", "local"), "model", None),
     }
-    traj, step, params, opt_state = run(mesh, tx_for(), 4, specs)
+    traj, step, params, opt_state = run(mesh, tx_for(), 4, specs, lowering=lowering)
     assert params["w1"].sharding.spec == specs["w1"]  # still sharded over "model"
     want = plain(2, 2)
     for got, ref in zip(traj, want):

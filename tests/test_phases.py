@@ -92,16 +92,81 @@ def test_wrapped_updates_give_the_same_numbers_specialized_or_not(how, reference
     np.testing.assert_allclose(got_p, want_p, rtol=1e-6, atol=1e-6)
 
 
-def test_specialize_false_and_the_fallback_past_max_phases_agree(reference, monkeypatch):
+@pytest.mark.parametrize("specialize", [True, "switch"])
+def test_every_way_of_compiling_the_phases_gives_the_same_numbers(specialize, reference):
     want_p, want_losses = reference
-    got_p, got_losses = run(make_tx(), specialize=True)
+    got_p, got_losses = run(make_tx(), specialize=specialize)
     np.testing.assert_allclose(got_p, want_p, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6)
-    from lsgd_jax import _step
 
-    monkeypatch.setattr(_step, "MAX_PHASES", 3)  # 2 x 2 phases: past it, one cond each
-    got_p, got_losses = run(make_tx(), specialize=True)
-    np.testing.assert_allclose(got_p, want_p, rtol=1e-6, atol=1e-6)
+
+def test_the_switch_falls_back_to_the_conds_past_max_phases(reference, monkeypatch):
+    from lsgd_jax import _step_program
+
+    monkeypatch.setattr(_step_program, "MAX_PHASES", 3)  # 2 x 2 phases: past it
+    got_p, _ = run(make_tx(), specialize="switch")
+    np.testing.assert_allclose(got_p, reference[0], rtol=1e-6, atol=1e-6)
+
+
+def test_one_program_per_phase_compiled_when_the_phase_first_occurs():
+    mesh = mesh_2x4()
+    tx = make_tx()  # hook 2 phases x averager 2: global grads until 3, averages 3, 6, 9
+    step = lsgd_jax.data_parallel_step(loss_fn, tx, mesh)
+    p, s = lsgd_jax.replicate(init_params(), mesh), lsgd_jax.replicate(tx.init(init_params()), mesh)
+    seen = []
+    for b in batches(5):
+        p, s, _ = step(p, s, b)
+        seen.append(sorted(step._programs))
+    # phase 2: global grads, no average; 1: local grads + average; 0: local, none
+    assert seen == [[2], [2], [2], [1, 2], [0, 1, 2]]
+    assert lsgd_jax.replay_phases(tx.init({}), 5).tolist() == [2, 2, 2, 1, 0]
+
+
+def test_a_state_the_step_did_not_return_is_read_again():
+    mesh = mesh_2x4()
+    tx = make_tx()
+    step = lsgd_jax.data_parallel_step(loss_fn, tx, mesh, donate=False)
+    p0 = lsgd_jax.replicate(init_params(), mesh)
+    s0 = lsgd_jax.replicate(tx.init(init_params()), mesh)
+    p, s = p0, s0
+    for b in batches(4):
+        p, s, _ = step(p, s, b)
+    again, _, _ = step(p0, s0, batches(1)[0])  # back to step 0: phase 2 again, not 0
+    first, _, _ = lsgd_jax.data_parallel_step(loss_fn, tx, mesh, donate=False)(
+        p0, s0, batches(1)[0]
+    )
+    np.testing.assert_array_equal(np.asarray(again["w1"]), np.asarray(first["w1"]))
+
+
+def skipping(tx):
+    """A wrapper the step does not know, which skips every other update."""
+
+    def init(params):
+        return {"inner": tx.init(params), "n": jnp.zeros([], jnp.int32)}
+
+    def update(g, state, params=None):
+        u, inner = tx.update(g, state["inner"], params)
+        keep = state["n"] % 2 == 0
+        inner = jax.tree.map(lambda a, b: jnp.where(keep, a, b), inner, state["inner"])
+        u = jax.tree.map(lambda x: jnp.where(keep, x, 0), u)
+        return u, {"inner": inner, "n": state["n"] + 1}
+
+    return optax.GradientTransformation(init, update)
+
+
+def test_a_wrong_phase_changes_nothing_and_raises():
+    with pytest.raises(RuntimeError, match="specialize='switch'"):
+        run(skipping(make_tx()), steps=40, specialize=True)
+    want, _ = run(skipping(make_tx()), specialize=False)
+    got, _ = run(skipping(make_tx()), specialize="switch")
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_known_skipping_wrappers_branch_on_the_device(reference):
+    tx = optax.MultiSteps(make_tx(), every_k_schedule=2)
+    want, _ = run(tx, specialize=False)
+    got, _ = run(tx, specialize=True)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_phase_index_is_the_mixed_radix_number_of_the_states_phases():

@@ -25,5 +25,6 @@ def test_python_snippets_run():
         exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102
     assert float(namespace["loss"]) >= 0.0
     assert namespace["model"]["w"].shape == (4, 1)
+    assert namespace["jp"]["w"].shape == (8, 4, 1)  # the plain-jit step's stacked params
     assert namespace["y"].shape == (64, 1)  # the Flax (NNX) snippet's consensus model
     assert namespace["bs"]["norm"]["mean"].shape == (8, 16)  # statistics per replica

@@ -12,14 +12,17 @@ from test_parity_torch import CFG, NAMES, batches, check, init_params, loss_fn, 
 import lsgd_jax
 
 
-def test_step_builder_reproduces_pytorch():
+@pytest.mark.parametrize("lowering", ["shard_map", "jit"])
+def test_step_builder_reproduces_pytorch(lowering):
     mesh = mesh_2x2()
     tx = optax.chain(
         lsgd_jax.post_local_sgd(CFG["start"]),
         optax.sgd(CFG["lr"], momentum=CFG["momentum"]),
         lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(CFG["period"], CFG["warmup"])),
     )
-    step = lsgd_jax.data_parallel_step(lambda p, b: loss_fn(p, b["x"], b["y"]), tx, mesh)
+    step = lsgd_jax.data_parallel_step(
+        lambda p, b: loss_fn(p, b["x"], b["y"]), tx, mesh, lowering=lowering
+    )
     params = lsgd_jax.replicate(init_params(), mesh)
     opt_state = lsgd_jax.replicate(tx.init(init_params()), mesh)
     xs, ys = batches()  # [steps, world, batch, ...]: rank r's rows are block r of the batch
@@ -51,6 +54,23 @@ def mlp_loss(params, model_state, batch):
     return loss, (new_state, {"correct": correct, "h_mean": jnp.mean(h)})
 
 
+def model_state_run(tx, mesh, steps):
+    """Trains mlp_loss with model state; yields (model_state, loss, aux) per step."""
+    step = lsgd_jax.data_parallel_step(mlp_loss, tx, mesh, has_aux=True, with_model_state=True)
+    p0 = {"w": jnp.ones((5, 2))}
+    s0 = {"running_mean": jnp.zeros(2), "count": jnp.zeros([], jnp.int32)}
+    params, model_state = lsgd_jax.replicate(p0, mesh), lsgd_jax.replicate(s0, mesh)
+    opt_state = lsgd_jax.replicate(tx.init(p0), mesh)
+    rng = np.random.default_rng(0)
+    for _ in range(steps):
+        batch = {
+            "x": rng.standard_normal((32, 5), np.float32),
+            "y": rng.standard_normal((32, 2), np.float32),
+        }
+        params, model_state, opt_state, loss, aux = step(params, model_state, opt_state, batch)
+        yield model_state, loss, aux
+
+
 def test_model_state_is_averaged_with_the_params_and_aux_is_reduced():
     mesh = mesh_2x4()
     averager = lsgd_jax.PeriodicModelAverager(3, warmup_steps=2)
@@ -59,18 +79,7 @@ def test_model_state_is_averaged_with_the_params_and_aux_is_reduced():
         optax.sgd(0.05),
         lsgd_jax.model_averaging(averager),
     )
-    step = lsgd_jax.data_parallel_step(mlp_loss, tx, mesh, has_aux=True, with_model_state=True)
-    p0 = {"w": jnp.ones((5, 2))}
-    s0 = {"running_mean": jnp.zeros(2), "count": jnp.zeros([], jnp.int32)}
-    params, model_state = lsgd_jax.replicate(p0, mesh), lsgd_jax.replicate(s0, mesh)
-    opt_state = lsgd_jax.replicate(tx.init(p0), mesh)
-    rng = np.random.default_rng(0)
-    for s in range(9):
-        batch = {
-            "x": rng.standard_normal((32, 5), np.float32),
-            "y": rng.standard_normal((32, 2), np.float32),
-        }
-        params, model_state, opt_state, loss, aux = step(params, model_state, opt_state, batch)
+    for s, (model_state, loss, aux) in enumerate(model_state_run(tx, mesh, 9)):
         rm = np.asarray(model_state["running_mean"])
         if averager.level(s):
             np.testing.assert_array_equal(rm, np.broadcast_to(rm[0], rm.shape))  # exact
@@ -236,19 +245,8 @@ def test_model_state_under_multisteps_averages_only_on_emitting_mini_steps():
         ),
         every_k_schedule=2,
     )
-    step = lsgd_jax.data_parallel_step(mlp_loss, tx, mesh, has_aux=True, with_model_state=True)
-    p0 = {"w": jnp.ones((5, 2))}
-    s0 = {"running_mean": jnp.zeros(2), "count": jnp.zeros([], jnp.int32)}
-    params, model_state = lsgd_jax.replicate(p0, mesh), lsgd_jax.replicate(s0, mesh)
-    opt_state = lsgd_jax.replicate(tx.init(p0), mesh)
-    rng = np.random.default_rng(0)
     averaged = []
-    for _ in range(8):
-        batch = {
-            "x": rng.standard_normal((32, 5), np.float32),
-            "y": rng.standard_normal((32, 2), np.float32),
-        }
-        params, model_state, opt_state, _, _ = step(params, model_state, opt_state, batch)
+    for model_state, _, _ in model_state_run(tx, mesh, 8):
         rm = np.asarray(model_state["running_mean"])
         averaged.append(bool(np.all(rm == rm[0])))
     # Mini-steps 1, 5 emit updates at averager steps 0 and 2; 3 and 7 emit at 1 and 3.

@@ -1,0 +1,123 @@
+"""One call of an averager: the branch of this step's level, and that level's average.
+
+A call takes one branch, the same on every replica since it comes from the state's
+counters: "no average" (the values pass), or the average over one level's group (or one
+fragment). Whoever specializes a step per phase pins the branch in the state's static
+metadata; otherwise it is one ``lax.cond``/``lax.switch``. One level's average composes
+the pieces that live elsewhere: the fragment's cut (``_fragments``), the change since the
+anchor and the outer optimizer's step (``_outer``), the mean itself (the averager's
+``lsgd_jax.comm`` strategy).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax import lax
+
+from lsgd_jax import _collectives, _fragments, _outer, comm
+from lsgd_jax._averager_state import ModelAveragerState
+
+
+def dispatch(scope: str, state: ModelAveragerState, branches: list, *operands: Any) -> Any:
+    """Runs the branch of this step's level: the pinned one when a step specialized per
+    phase pinned it (static), else one ``lax.cond`` / ``lax.switch`` on the counters.
+
+    Example:
+      >>> import jax.numpy as jnp, lsgd_jax
+      >>> from lsgd_jax import _average_call
+      >>> state = lsgd_jax.PeriodicModelAverager(2).init()   # step 0: level 1
+      >>> _average_call.dispatch("demo", state, [lambda x: x, lambda x: 2 * x], jnp.ones(2))
+      Array([2., 2.], dtype=float32)
+    """
+    with jax.named_scope(scope):  # names the collectives in the HLO
+        if state.pinned_phase is not None:
+            return branches[state.pinned_phase](*operands)
+        level = state.phase
+        if len(branches) == 2:
+            return lax.cond(level > 0, branches[1], branches[0], *operands)
+        return lax.switch(level, branches, *operands)
+
+
+def average_level(
+    averager: Any, params: Any, extra: Any, state: ModelAveragerState, branch: tuple
+) -> tuple[Any, Any, ModelAveragerState]:
+    """One level's average of ``params`` (and ``extra``, in the same collective).
+
+    ``branch`` is ``(group, fragment or None, is_global)``. A skipped average (the
+    strategy's ``skipped``) changes nothing but what the schedule records.
+    """
+    group, fragment, is_global = branch
+    anchor = state.anchor
+    cut = fragment.cut(params) if fragment is not None else _fragments.WHOLE
+    p_in, e_in = cut.take(params), cut.take_aligned(extra, params)
+    a_in = cut.take(anchor) if anchor is not None else None
+    x = _outer.delta_of(p_in, a_in) if averager.delta else p_in
+    # Uncast means: a global mean is invariant, so it can become a replicated anchor.
+    (mean_x, mean_e), skipped, comm_state = comm.apply(
+        averager.communicator, (x, e_in), group, state.comm_state, cast=False, step=state.step
+    )
+    state = state.replace(comm_state=comm_state)
+    new_p = _outer.undelta(a_in, mean_x, p_in) if averager.delta else mean_x
+    if is_global and averager.outer_optimizer is not None:
+        new_p, state = _outer.outer_step(
+            averager.outer_optimizer, averager.outer_skip_first, new_p, a_in, state, skipped
+        )
+    if skipped is not None:  # a skipped average changes nothing but the step
+        new_p, mean_e = _outer.select(skipped, p_in, new_p), _outer.select(skipped, e_in, mean_e)
+    if is_global and anchor is not None:
+        new_anchor = _collectives.cast_like(cut.put(anchor, new_p), anchor)
+        if skipped is not None:
+            new_anchor = _outer.select(skipped, anchor, new_anchor)
+        state = state.replace(anchor=new_anchor)
+    new_p, mean_e = cut.put(params, new_p), cut.put_aligned(extra, params, mean_e)
+    new_p, mean_e = _collectives.cast_like(new_p, params), _collectives.cast_like(mean_e, extra)
+    if averager.sync_schedule.tracks_last_sync:  # the schedule's record: all agree
+        state = state.replace(last_sync=state.step)
+    return new_p, mean_e, state
+
+
+def run(
+    averager: Any,
+    operand: Any,
+    state: ModelAveragerState,
+    prepare: Callable[[Any], tuple[Any, Any]],
+    finish: Callable[[Any, Any, Any], Any],
+    passthrough: Callable[[Any], Any],
+) -> tuple[Any, ModelAveragerState]:
+    """The one cond/switch: ``finish(average(prepare(operand)))`` or ``passthrough``.
+
+    ``prepare(operand) -> (params, extra)`` and ``finish(operand, params, extra) ->
+    result`` run inside the averaging branches only; ``passthrough(operand) -> result``
+    is the branch of the steps that do not average. The step is not advanced.
+    """
+
+    def skip(op, st):
+        return passthrough(op), st
+
+    def make(branch):
+        def level(op, st):
+            params, extra = prepare(op)
+            params, extra, st2 = average_level(averager, params, extra, st, branch)
+            return finish(op, params, extra), _collectives.cast_like(st2, st)
+
+        return level
+
+    branches = [skip] + [make(b) for b in averager._branch_groups()]
+    return dispatch("model_averaging", state, branches, operand, state)
+
+
+def alongside(averager: Any, tree: Any, state: ModelAveragerState) -> Any:
+    """The plain group mean of ``tree`` on the branch ``state`` takes (no anchor, outer
+    optimizer or fragments; the strategy's state is not advanced)."""
+
+    def mean(t, group):
+        return comm.apply(averager.communicator, t, group, None, step=state.step).value
+
+    branches = [lambda t: t] + [
+        functools.partial(mean, group=group) for group, _, _ in averager._branch_groups()
+    ]
+    return dispatch("model_state_averaging", state, branches, tree)

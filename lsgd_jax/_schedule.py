@@ -1,0 +1,296 @@
+"""When to average: schedules as small frozen values.
+
+A schedule says, for each call of an averager (its step count ``s``, from 0), which
+*level* averages: 0 for none, ``k`` for the k-th group (or fragment). It owns the rule,
+its number of levels, which level is global, the length of its cycle, how the step
+counter advances inside int32, and a plain-Python replay of the first steps that tests,
+benchmarks and examples use to count averages. The averagers hold one
+(``averager.sync_schedule``) and read it; they add the groups and the maths.
+
+- :class:`PeriodicSchedule`: PyTorch's ``PeriodicModelAverager`` rule, optionally in
+  ``fragments`` (Streaming DiLoCo).
+- :class:`HierarchicalSchedule`: PyTorch's ``HierarchicalModelAverager`` rule.
+- :class:`AdaptiveSchedule`: a period that is a function of the step (AdaComm); the
+  only one whose level depends on the step of the last average, not on ``s`` alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from lsgd_jax import _validate
+
+INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def _is_traced(*xs: Any) -> bool:
+    return any(isinstance(x, jax.Array) for x in xs)
+
+
+def _counter_overflow(name: str, step: Any) -> None:
+    raise OverflowError(
+        f"{name}: the averager's step counter reached the int32 maximum ({int(step)} calls) "
+        "and its schedule (a callable period, or periods whose cycle is longer than the "
+        "counter's range) cannot be followed past it. Restore from a checkpoint with the "
+        "state's step (and last_sync) moved back by the same amount, e.g. state.replace("
+        "step=state.step - k, last_sync=state.last_sync - k)."
+    )
+
+
+class _Schedule:
+    """What every schedule offers; subclasses define ``level``, ``num_levels``, ``cycle``.
+
+    (A mixin of concrete helpers over the abstract rule: nothing here is overridden.)
+    """
+
+    warmup_steps: int
+    tracks_last_sync = False
+
+    @property
+    def num_levels(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def cycle(self) -> int | None:
+        raise NotImplementedError
+
+    def level(self, step: Any, last_sync: Any = None) -> Any:
+        raise NotImplementedError
+
+    def is_global(self, level: int) -> bool:
+        """Whether ``level`` is the widest group's (every fragment of a periodic one).
+
+        Example:
+          >>> from lsgd_jax._schedule import HierarchicalSchedule
+          >>> [HierarchicalSchedule((2, 8)).is_global(k) for k in range(3)]
+          [False, False, True]
+        """
+        raise NotImplementedError
+
+    def replay(self, num_steps: int) -> np.ndarray:
+        """The level of every call from step 0 to ``num_steps - 1``, in plain Python.
+
+        Example:
+          >>> from lsgd_jax._schedule import PeriodicSchedule
+          >>> PeriodicSchedule(3, warmup_steps=1).replay(8).tolist()
+          [0, 1, 0, 0, 1, 0, 0, 1]
+        """
+        out, last = [], 0
+        for s in range(num_steps):
+            level = self.level(s, last)
+            out.append(int(level))
+            last = s if level else last
+        return np.asarray(out, np.int32)
+
+    def next_step(self, step: jax.Array, name: str) -> jax.Array:
+        """``step + 1``, kept inside int32 without leaving the schedule.
+
+        At the int32 maximum the count continues from an earlier step with the same
+        place in the schedule (a whole number of cycles back, never below the warm-up),
+        so the averages stay on schedule forever. A schedule without such a cycle raises
+        OverflowError at that call (a host callback) instead of drifting silently.
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> from lsgd_jax._schedule import PeriodicSchedule
+          >>> schedule = PeriodicSchedule(3, warmup_steps=1)   # step 2**31 - 1 + 1 is 2 later
+          >>> int(schedule.next_step(jnp.int32(2**31 - 1), "avg"))
+          2
+        """
+        cycle, span = self.cycle, INT32_MAX + 1 - self.warmup_steps
+        if cycle is not None and cycle <= span:
+            wrapped = INT32_MAX + 1 - cycle * (span // cycle)
+            nxt = jnp.where(step == INT32_MAX, jnp.int32(wrapped), step + (step < INT32_MAX))
+            return nxt.astype(jnp.int32)
+        lax.cond(
+            step == INT32_MAX,
+            lambda: jax.debug.callback(functools.partial(_counter_overflow, name), step),
+            lambda: None,
+        )
+        return optax.safe_increment(step)
+
+
+@dataclasses.dataclass(frozen=True)
+class PeriodicSchedule(_Schedule):
+    """Averages at ``s >= warmup_steps`` when ``(s - warmup_steps) % period == 0``.
+
+    With ``fragments=K`` each of K fragments averages every ``period`` steps, the k-th
+    offset by ``k * period / K``: level ``k + 1`` at ``s`` when ``(s - warmup_steps) %
+    (period / K) == 0`` and ``(s - warmup_steps) // (period / K) % K == k``.
+
+    Attributes:
+      period: steps between averages (of one fragment).
+      warmup_steps: steps before the first average.
+      fragments: how many fragments take turns (1: the whole model every time).
+
+    Example:
+      >>> from lsgd_jax._schedule import PeriodicSchedule
+      >>> PeriodicSchedule(4, fragments=2).replay(6).tolist()
+      [1, 0, 2, 0, 1, 0]
+    """
+
+    period: int
+    warmup_steps: int = 0
+    fragments: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "period", _validate.positive_int(self.period, "period"))
+        warmup = _validate.nonnegative_int(self.warmup_steps, "warmup_steps")
+        object.__setattr__(self, "warmup_steps", warmup)
+        k = _validate.positive_int(self.fragments, "fragments")
+        if self.period % k:
+            raise ValueError(
+                f"fragments={k} needs an int period divisible by it, got period="
+                f"{self.period!r}; e.g. period={4 * k}."
+            )
+        object.__setattr__(self, "fragments", k)
+
+    @property
+    def num_levels(self) -> int:
+        return self.fragments
+
+    @property
+    def cycle(self) -> int:
+        return self.period
+
+    def is_global(self, level: int) -> bool:
+        return level > 0
+
+    def level(self, step: Any, last_sync: Any = None) -> Any:
+        """0 for no average, else the fragment number (1-based); a Python int for a
+        Python ``step``, an int32 array for an array."""
+        del last_sync
+        stride = self.period // self.fragments
+        after = step - self.warmup_steps
+        on = (step >= self.warmup_steps) & (after % stride == 0)
+        which = (after // stride) % self.fragments + 1
+        if _is_traced(on, step):
+            return jnp.where(on, which, 0).astype(jnp.int32)
+        return int(which) if on else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class HierarchicalSchedule(_Schedule):
+    """At ``s >= warmup_steps``, the LARGEST period dividing ``s`` picks the level.
+
+    ``s``, not ``s - warmup_steps``, as PyTorch's ``HierarchicalModelAverager``.
+
+    Attributes:
+      periods: strictly increasing periods, one per level.
+      warmup_steps: steps before the first average.
+
+    Example:
+      >>> from lsgd_jax._schedule import HierarchicalSchedule
+      >>> HierarchicalSchedule((2, 4), warmup_steps=2).replay(9).tolist()
+      [0, 0, 1, 0, 2, 0, 1, 0, 2]
+    """
+
+    periods: tuple[int, ...]
+    warmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        periods = tuple(_validate.positive_int(p, f"period {p!r}") for p in self.periods)
+        if not periods or any(b <= a for a, b in zip(periods, periods[1:])):
+            raise ValueError(
+                f"The periods must be strictly increasing (smallest group first), got "
+                f"{list(periods)}; order the dict by period."
+            )
+        object.__setattr__(self, "periods", periods)
+        warmup = _validate.nonnegative_int(self.warmup_steps, "warmup_steps")
+        object.__setattr__(self, "warmup_steps", warmup)
+
+    @property
+    def num_levels(self) -> int:
+        return len(self.periods)
+
+    @property
+    def cycle(self) -> int:
+        return math.lcm(*self.periods)
+
+    def is_global(self, level: int) -> bool:
+        return level == self.num_levels
+
+    def level(self, step: Any, last_sync: Any = None) -> Any:
+        """0 for no average, else the 1-based level of the largest dividing period."""
+        del last_sync
+        if _is_traced(step):
+            step = jnp.asarray(step)
+            level = jnp.zeros_like(step, dtype=jnp.int32)
+            for k, p in enumerate(self.periods, start=1):
+                level = jnp.where(step % p == 0, k, level)  # the largest period wins
+            return jnp.where(step >= self.warmup_steps, level, 0)
+        if step < self.warmup_steps:
+            return 0
+        return max((k for k, p in enumerate(self.periods, 1) if step % p == 0), default=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveSchedule(_Schedule):
+    """A period that changes with the step: average at ``s >= warmup_steps`` when ``s ==
+    warmup_steps`` or ``s - last_average >= period(s)``.
+
+    AdaComm-style (Wang & Joshi, SysML 2019). For a constant period this is the
+    periodic rule. The level depends on the step of the last average, which the
+    averager's state keeps (``last_sync``).
+
+    Attributes:
+      period: a jit-able ``period(step) -> int``.
+      warmup_steps: steps before the first average.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from lsgd_jax._schedule import AdaptiveSchedule
+      >>> AdaptiveSchedule(lambda s: jnp.where(s < 4, 2, 3)).replay(10).tolist()
+      [1, 0, 1, 0, 0, 1, 0, 0, 1, 0]
+    """
+
+    period: Callable[[Any], Any]
+    warmup_steps: int = 0
+    tracks_last_sync = True
+
+    def __post_init__(self) -> None:
+        if not callable(self.period):
+            raise TypeError(f"period must be callable here, got {self.period!r}.")
+        warmup = _validate.nonnegative_int(self.warmup_steps, "warmup_steps")
+        object.__setattr__(self, "warmup_steps", warmup)
+
+    @property
+    def num_levels(self) -> int:
+        return 1
+
+    @property
+    def cycle(self) -> None:
+        return None
+
+    def is_global(self, level: int) -> bool:
+        return level > 0
+
+    def level(self, step: Any, last_sync: Any = None) -> Any:
+        """1 when ``step`` averages given the step of the last average, else 0."""
+        if last_sync is None:
+            raise TypeError(
+                "With a period schedule the level depends on the last average, not on the "
+                "step alone: use averager.schedule(num_steps)."
+            )
+        if _is_traced(step, last_sync):
+            period = jnp.asarray(self.period(step), jnp.int32)
+            on = (step == self.warmup_steps) | (step - last_sync >= period)
+            return ((step >= self.warmup_steps) & on).astype(jnp.int32)
+        period = int(self.period(jnp.int32(step)))
+        hit = step >= self.warmup_steps and (
+            step == self.warmup_steps or step - last_sync >= period
+        )
+        return int(hit)
+
+
+Schedule = PeriodicSchedule | HierarchicalSchedule | AdaptiveSchedule

@@ -1,0 +1,316 @@
+"""How a mean travels: communication strategies for the hook and the averagers.
+
+A strategy takes the mean of a pytree over a group of replicas (mesh axes, or an
+IndexGroups under ``pmap``) inside ``shard_map``/``pmap``. The hook
+(:func:`~lsgd_jax.post_local_sgd`, ``communication=``) uses it for the gradient means,
+the averagers (``communication=``) for the model averages; both only call
+``strategy.mean(...)``, so a new way to communicate is a new strategy, not a change to
+them.
+
+- :func:`flat`: one all-reduce of every floating leaf (PyTorch's behaviour; the default).
+- :func:`finite_only`: the same all-reduce with a finiteness flag riding along, so that
+  a replica with NaN/Inf values is left out (``"exclude"``) or its group does not
+  average (``"skip"``).
+- :func:`compressed`: the values travel in a narrower dtype (bfloat16), summed in
+  float32 (an all-to-all and an all-gather: half the bytes of a float32 all-reduce).
+
+Every strategy keeps each leaf's dtype and varying-axes type (so a mean can sit in one
+branch of a ``lax.cond``), averages floating and complex leaves only, and sums narrow
+floats in float32.
+
+Example:
+  >>> import jax.numpy as jnp, optax, lsgd_jax
+  >>> tx = optax.chain(
+  ...     lsgd_jax.post_local_sgd(100, communication=lsgd_jax.comm.flat()),
+  ...     optax.sgd(0.1),
+  ...     lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(
+  ...         8, warmup_steps=100, communication=lsgd_jax.comm.compressed(jnp.bfloat16))),
+  ... )
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import functools
+import logging
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from lsgd_jax import _collectives, _validate
+from lsgd_jax._collectives import Group
+
+logger = logging.getLogger("lsgd_jax")
+
+NONFINITE_POLICIES = ("exclude", "skip")
+
+
+class Mean(NamedTuple):
+    """What a strategy's ``mean`` returns.
+
+    Attributes:
+      value: the averaged tree (each leaf in its own dtype and varying-axes type).
+      skipped: None when the strategy never skips (a static fact), else a bool scalar,
+        the same on every replica of the group: this group kept its own values
+        (``value`` is then the input tree).
+      state: the strategy's new state (None for stateless strategies).
+    """
+
+    value: Any
+    skipped: jax.Array | None
+    state: Any
+
+
+class Communication(abc.ABC):
+    """How the mean of a pytree over a group of replicas is computed and sent.
+
+    Subclasses are frozen dataclasses (hashable: they are static configuration) that
+    implement ``mean``; a strategy that keeps per-replica state (e.g. error feedback)
+    also implements ``init``.
+    """
+
+    @abc.abstractmethod
+    def mean(
+        self, tree: Any, group: Group, state: Any = None, *, cast: bool = True, step: Any = None
+    ) -> Mean:
+        """The mean of ``tree``'s floating leaves over ``group``.
+
+        Args:
+          tree: this replica's values.
+          group: a resolved group (a tuple of bound mesh axes, or an IndexGroups).
+          state: this strategy's state (from ``init``), or None.
+          cast: give each leaf back its own varying-axes type (False keeps the
+            collective's narrower type, e.g. invariant for a global mean).
+          step: the caller's step count, for log messages.
+
+        Returns:
+          A :class:`Mean`.
+        """
+
+    @abc.abstractmethod
+    def init(self, tree: Any) -> Any:
+        """The initial state for values shaped like ``tree`` (None: stateless)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Flat(Communication):
+    """One all-reduce (a variadic ``psum``) of every floating leaf, divided by the group
+    size. See :func:`flat`."""
+
+    def mean(self, tree, group, state=None, *, cast=True, step=None) -> Mean:
+        del step
+        return Mean(_collectives.mean(tree, group, cast), None, state)
+
+    def init(self, tree: Any) -> None:
+        del tree
+
+
+def _log_nonfinite(policy: str, step: Any, replica: Any, excluded: Any) -> None:
+    action = {
+        "exclude": "left out of the mean and given the mean of the finite replicas",
+        "skip": "so its group skipped this average and kept its local values",
+    }[policy]
+    logger.warning(
+        "Mean at step %s: replica %s has non-finite values (%s of its group non-finite); %s.",
+        int(step) if step is not None else "?",
+        int(replica),
+        int(excluded),
+        action,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class FiniteOnly(Communication):
+    """A mean that leaves out, or skips for, replicas with non-finite values.
+
+    See :func:`finite_only`.
+
+    Attributes:
+      policy: ``"exclude"`` or ``"skip"``.
+    """
+
+    policy: str = "exclude"
+
+    def __post_init__(self) -> None:
+        _validate.one_of(
+            self.policy,
+            "finite_only policy",
+            NONFINITE_POLICIES,
+            ": 'exclude' (average the finite replicas only) or 'skip' (no average for a "
+            "group with a NaN)",
+        )
+
+    def mean(self, tree, group, state=None, *, cast=True, step=None) -> Mean:
+        averaged, excluded, finite = _collectives.finite_mean(tree, group, cast)
+        if self.policy == "skip":
+            skipped = excluded > 0
+        else:
+            skipped = excluded >= _collectives.group_size(group)
+        averaged = jax.tree.map(lambda a, b: jnp.where(skipped, a, b), tree, averaged)
+        if logger.isEnabledFor(logging.WARNING):  # else no host callback in the program
+            axes = _collectives.bound_axes()
+            replica = lax.axis_index(axes) if axes else jnp.zeros([], jnp.int32)
+            where = jnp.zeros([], jnp.int32) if step is None else step
+            lax.cond(
+                finite,
+                lambda: None,
+                lambda: jax.debug.callback(
+                    functools.partial(_log_nonfinite, self.policy), where, replica, excluded
+                ),
+            )
+        return Mean(averaged, skipped, state)
+
+    def init(self, tree: Any) -> None:
+        del tree
+
+
+@dataclasses.dataclass(frozen=True)
+class Compressed(Communication):
+    """A mean sent in a narrower floating dtype and summed in float32.
+
+    See :func:`compressed`.
+
+    Attributes:
+      dtype: the dtype on the wire, e.g. ``jnp.bfloat16``.
+    """
+
+    dtype: Any = jnp.bfloat16
+
+    def __post_init__(self) -> None:
+        try:
+            dtype = jnp.dtype(self.dtype)
+        except TypeError as e:
+            raise ValueError(f"compressed: {self.dtype!r} is not a dtype.") from e
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(
+                f"communication_dtype must be a floating dtype such as jnp.bfloat16, "
+                f"got {self.dtype!r}."
+            )
+        object.__setattr__(self, "dtype", dtype)
+
+    def mean(self, tree, group, state=None, *, cast=True, step=None) -> Mean:
+        del step
+        return Mean(_collectives.compressed_mean(tree, group, self.dtype, cast), None, state)
+
+    def init(self, tree: Any) -> None:
+        del tree
+
+
+def apply(
+    strategy: Communication,
+    tree: Any,
+    group: Group,
+    state: Any = None,
+    *,
+    cast: bool = True,
+    step: Any = None,
+) -> Mean:
+    """``strategy.mean(...)``, with each leaf given back its dtype (and, with ``cast``,
+    its varying-axes type): what the hook and the averagers call, so that a strategy
+    written elsewhere need not restore types itself.
+
+    Args:
+      strategy: a :class:`Communication`.
+      tree, group, state, cast, step: as for :meth:`Communication.mean`.
+
+    Returns:
+      A :class:`Mean`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, lsgd_jax
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = lsgd_jax.make_mesh(2, 2)
+      >>> f = jax.jit(jax.shard_map(
+      ...     lambda x: lsgd_jax.comm.apply(lsgd_jax.comm.flat(), x, ("node", "local")).value,
+      ...     mesh=mesh, in_specs=P(("node", "local")), out_specs=P(("node", "local"))))
+      >>> f(jnp.arange(4.0))
+      Array([1.5, 1.5, 1.5, 1.5], dtype=float32)
+    """
+    out = strategy.mean(tree, group, state, cast=cast, step=step)
+    value = jax.tree.map(lambda v, x: jnp.asarray(v).astype(jnp.result_type(x)), out.value, tree)
+    if cast:
+        value = _collectives.cast_tree_like(value, tree)
+    return Mean(value, out.skipped, out.state)
+
+
+def flat() -> Flat:
+    """Today's default: one all-reduce of all floating leaves, divided by the group size.
+
+    Leaves narrower than float32 are summed in float32 and rounded once; integer and
+    boolean leaves pass unchanged. Exactly PyTorch's averaging.
+
+    Returns:
+      A :class:`Communication`.
+
+    Example:
+      >>> import lsgd_jax
+      >>> avg = lsgd_jax.PeriodicModelAverager(4, communication=lsgd_jax.comm.flat())
+      >>> avg.communication
+      Flat()
+    """
+    return Flat()
+
+
+def finite_only(policy: str = "exclude") -> FiniteOnly:
+    """A mean robust to a replica whose values went NaN/Inf.
+
+    ``"exclude"``: the mean of the finite replicas only, which every replica of the group
+    receives (the non-finite ones are healed); if no replica is finite, nothing changes.
+    ``"skip"``: a group with a non-finite replica does not average this time. Either way
+    still one all-reduce (the finiteness flag rides along), and a warning naming the
+    replica and step is logged through the ``"lsgd_jax"`` logger (a host callback,
+    compiled in while that logger is enabled for WARNING at trace time). A skipped
+    average changes nothing but the step count (see the averagers).
+
+    Args:
+      policy: ``"exclude"`` or ``"skip"``.
+
+    Returns:
+      A :class:`Communication`.
+
+    Example:
+      >>> import lsgd_jax
+      >>> lsgd_jax.comm.finite_only("skip")
+      FiniteOnly(policy='skip')
+    """
+    return FiniteOnly(policy)
+
+
+def compressed(dtype: Any = jnp.bfloat16) -> Compressed:
+    """A mean sent in ``dtype`` (e.g. bfloat16) and summed in float32.
+
+    The floating leaves are flattened into one buffer (complex ones as their real and
+    imaginary parts), cast to ``dtype`` and split into one chunk per replica; an
+    all-to-all hands each replica its chunk from every peer, which it sums in float32;
+    an all-gather of the chunk means, again in ``dtype``, returns the whole mean to
+    everyone: about half the bytes of a float32 ring all-reduce, and every replica of
+    the group gets the same (``dtype``-rounded) result.
+
+    Args:
+      dtype: a floating dtype narrower than the values, e.g. ``jnp.bfloat16``.
+
+    Returns:
+      A :class:`Communication`.
+
+    Example:
+      >>> import jax.numpy as jnp, lsgd_jax
+      >>> lsgd_jax.comm.compressed(jnp.bfloat16).dtype
+      dtype(bfloat16)
+    """
+    return Compressed(dtype)
+
+
+__all__ = [
+    "Communication",
+    "Compressed",
+    "FiniteOnly",
+    "Flat",
+    "Mean",
+    "apply",
+    "compressed",
+    "finite_only",
+    "flat",
+]
