@@ -622,6 +622,8 @@ class RunConfig:
     model_state: for "step": ``with_model_state=True``.
     int_leaf / complex_leaf: for "functional": an int32 and a complex64 params leaf,
     moved by the test itself, never by the optimizer.
+    specialize / lowering: for "step": how ``data_parallel_step`` compiles the step;
+    the documented numbers are the same for every choice, so the model ignores them.
     """
 
     topo: Topology
@@ -635,6 +637,8 @@ class RunConfig:
     model_state: bool = False
     int_leaf: bool = False
     complex_leaf: bool = False
+    specialize: bool | str = True
+    lowering: str = "shard_map"
 
 
 @dataclasses.dataclass

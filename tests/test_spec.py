@@ -472,7 +472,14 @@ def step_runner(cfg: M.RunConfig, params0_key):
     mesh = mesh_of(cfg.topo)
     tx = build_tx(cfg, dict(params0_key))
     fn = loss_with_state if cfg.model_state else loss_fn
-    step = lsgd_jax.data_parallel_step(fn, tx, mesh, with_model_state=cfg.model_state)
+    step = lsgd_jax.data_parallel_step(
+        fn,
+        tx,
+        mesh,
+        with_model_state=cfg.model_state,
+        specialize=cfg.specialize,
+        lowering=cfg.lowering,
+    )
     return mesh, tx, step
 
 
@@ -646,6 +653,8 @@ def runs(draw, path: str):
             extra["opt_state_mask"] = draw(st.sampled_from(["none", "all", "arrays"]))
         extra["model_state"] = draw(st.booleans())
         extra["multi_steps"] = draw(st.sampled_from([1, 1, 2, 3]))
+        extra["specialize"] = draw(st.sampled_from([True, True, "switch", False]))
+        extra["lowering"] = draw(st.sampled_from(["shard_map", "shard_map", "jit"]))
     cfg = M.RunConfig(topo, path, hook, inner, averager, **extra)
     steps = draw(st.integers(1, 12))
     seed = draw(st.integers(0, 2**16))
