@@ -472,14 +472,10 @@ def step_runner(cfg: M.RunConfig, params0_key):
     mesh = mesh_of(cfg.topo)
     tx = build_tx(cfg, dict(params0_key))
     fn = loss_with_state if cfg.model_state else loss_fn
-    step = lsgd_jax.data_parallel_step(
-        fn,
-        tx,
-        mesh,
-        with_model_state=cfg.model_state,
-        specialize=cfg.specialize,
-        lowering=cfg.lowering,
-    )
+    modes = {"specialize": cfg.specialize, "lowering": cfg.lowering}
+    defaults = {"specialize": True, "lowering": "shard_map"}
+    modes = {k: v for k, v in modes.items() if v != defaults[k]}
+    step = lsgd_jax.data_parallel_step(fn, tx, mesh, with_model_state=cfg.model_state, **modes)
     return mesh, tx, step
 
 
