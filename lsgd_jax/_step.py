@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from lsgd_jax import _phase, _step_program, _validate
 from lsgd_jax._mesh import _num_replicas, data_axes
 from lsgd_jax._step_program import MAX_PHASES, StepSpec, averager_states
-from lsgd_jax._sync import assert_replicas_in_sync, step_counters
+from lsgd_jax._sync import assert_replicas_in_sync
 
 __all__ = ["MAX_PHASES", "DataParallelStep", "averager_states", "data_parallel_step"]
 
@@ -289,14 +289,14 @@ class DataParallelStep:
         self._max_in_flight = max_in_flight
         self._check_in_sync_every = check_in_sync_every
         self._programs: dict[Any, Any] = {}
-        self._layouts: dict[Any, tuple[int | str | None, int]] = {}
+        self._layouts: dict[Any, int | str | None] = {}
         self._in_flight: collections.deque = collections.deque()
         self._unchecked: collections.deque = collections.deque()
         self._calls = 0
         self._plan: np.ndarray | None = None  # the phases replayed from a snapshot
         self._snapshot: Any = None
         self._position = 0  # index into the plan of the next call
-        self._expected: Any = None  # the counter array the last call returned
+        self._returned: Any = None  # the optimizer state the last call returned
 
     @property
     def jitted(self) -> Any:
@@ -332,10 +332,9 @@ class DataParallelStep:
             _check_replicated(model_state, "model_state", n, spec.mesh, spec.axes)
         _check_batch(batch, n, spec.mesh, spec.axes)
 
-    def _layout(self, opt_state: Any) -> tuple[int | str | None, int]:
-        """From the state's structure alone (cached by tree structure): a fixed program
-        (or None: one per phase, followed on the host), and where the first counter is
-        among the state's leaves."""
+    def _fixed_program(self, opt_state: Any) -> int | str | None:
+        """From the state's structure alone (cached by tree structure): a fixed program,
+        or None: one per phase, followed on the host."""
         treedef = jax.tree.structure(opt_state)
         if treedef not in self._layouts:
             fixed: int | str | None = None
@@ -347,18 +346,15 @@ class DataParallelStep:
                 )
                 if any(isinstance(x, _SKIPPING_WRAPPERS) for x in wrappers):
                     fixed = "switch"
-            first = next(iter(step_counters(opt_state).values()), None)
-            index = next((i for i, x in enumerate(jax.tree.leaves(opt_state)) if x is first), -1)
-            self._layouts[treedef] = (fixed, index)
+            self._layouts[treedef] = fixed
         return self._layouts[treedef]
 
-    def _mode(self, opt_state: Any) -> tuple[int | str, int]:
-        """This call's program (its phase, followed on the host, or one program) and the
-        index of the state's first counter among its leaves."""
-        fixed, index = self._layout(opt_state)
-        if fixed is not None:
-            return fixed, index
-        if self._plan is None or jax.tree.leaves(opt_state)[index] is not self._expected:
+    def _mode(self, opt_state: Any) -> int | str:
+        """This call's program: its phase, followed on the host, or one program."""
+        if self._plan is None or opt_state is not self._returned:
+            fixed = self._fixed_program(opt_state)
+            if fixed is not None:
+                return fixed
             # A state this step did not just return (the first call, a restored or
             # reused state): read its counters once (the state must be computed).
             self._snapshot = _phase.counters_snapshot(opt_state)
@@ -366,7 +362,7 @@ class DataParallelStep:
         if self._position >= len(self._plan):
             grown = 2 * len(self._plan)
             self._plan = _phase.replay_phases(self._snapshot, grown)
-        return int(self._plan[self._position]), index
+        return int(self._plan[self._position])
 
     def __call__(self, *args: Any) -> tuple[Any, ...]:
         params, model_state, opt_state, batch = self.jit_args(*args)
@@ -375,13 +371,13 @@ class DataParallelStep:
             assert_replicas_in_sync(opt_state)
         self._calls += 1
         self._check(params, model_state, opt_state, batch)
-        mode, index = self._mode(opt_state)
+        mode = self._mode(opt_state)
         params, model_state, opt_state, loss, aux, ok = self._program(mode)(
             params, model_state, opt_state, batch
         )
         if isinstance(mode, int):
             self._position += 1
-            self._expected = jax.tree.leaves(opt_state)[index]
+            self._returned = opt_state  # the next call with it continues the plan
             self._unchecked.append((self._calls, mode, ok))
             if len(self._unchecked) >= 2 * self._CHECK_LAG:  # the older half, at once
                 for _ in range(self._CHECK_LAG):
