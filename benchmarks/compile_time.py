@@ -15,7 +15,8 @@ measurement runs in its own Python process (no compilation cache), and times
 
 for ``data_parallel_step`` with ``specialize=True`` (one program per phase, compiled
 when first needed), ``"switch"`` (one program, every phase under one ``lax.switch``)
-and ``False`` (the transforms' own conds), against a hand-written ``shard_map`` step of
+and ``False`` (the transforms' own conds), and with ``lowering="jit"`` (the loss under
+plain ``jax.jit``, specialize=True), against a hand-written ``shard_map`` step of
 the first phase (global gradient mean, no conditional): what one straight-line step
 costs to compile. The switch is at step 10; levels average at steps 10, 12, 14, 16, ...
 """
@@ -29,7 +30,13 @@ import subprocess
 import sys
 import time
 
-MODES = ("hand-written", "specialize=True", "specialize='switch'", "specialize=False")
+MODES = (
+    "hand-written",
+    "specialize=True",
+    "specialize='switch'",
+    "specialize=False",
+    "lowering='jit'",
+)
 
 
 def measure(mode: str, steps: int) -> dict:
@@ -122,8 +129,11 @@ def measure(mode: str, steps: int) -> dict:
         )
         opt_state = lsgd_jax.replicate(inner.init(params0), mesh)
     else:
-        specialize = {"specialize=True": True, "specialize='switch'": "switch"}.get(mode, False)
-        step = lsgd_jax.data_parallel_step(loss_fn, tx, mesh, specialize=specialize)
+        specialize = {"specialize='switch'": "switch", "specialize=False": False}.get(mode, True)
+        lowering = "jit" if mode == "lowering='jit'" else "shard_map"
+        step = lsgd_jax.data_parallel_step(
+            loss_fn, tx, mesh, specialize=specialize, lowering=lowering
+        )
         opt_state = lsgd_jax.replicate(tx.init(params0), mesh)
     params = lsgd_jax.replicate(params0, mesh)
     t0 = time.perf_counter()
