@@ -7,6 +7,11 @@ def test_demo_compares_ddp_and_post_local_sgd(capsys):
     rows = demo.main(["--steps", "40", "--start", "10", "--periods", "4", "16"])
     out = capsys.readouterr().out
     assert "DDP" in out and "post-local SGD, H=4" in out
+    # the loss printed as in the README (4 decimals), so the columns line up
+    ddp_line = next(line for line in out.splitlines() if line.startswith("DDP"))
+    assert f"{rows[0]['train loss']:.4f}" in ddp_line and str(rows[0]["train loss"]) not in out
+    widths = {len(line) for line in out.splitlines()[1:]}
+    assert len(widths) == 1, out
     ddp, h4, h16 = rows
     assert ddp["global all-reduces"] == 40 and ddp["node-local all-reduces"] == 0
     # 10 global gradient steps, then averages at steps 10, 14, ..., 38 (H=4) / 10, 26 (H=16).
