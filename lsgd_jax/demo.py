@@ -41,14 +41,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     mesh = lsgd_jax.make_mesh(num_nodes=2, devices_per_node=4)
     n_rep = mesh.devices.size
-    din, hidden, classes, per_replica = 32, 64, 10, 32
-    rng = np.random.default_rng(args.seed)
-    teacher = rng.standard_normal((din, classes)).astype(np.float32)
-    x_all = rng.standard_normal((args.steps * per_replica * n_rep + 4096, din)).astype(np.float32)
-    y_all = np.argmax(x_all @ teacher + 0.5 * rng.standard_normal((len(x_all), classes)), 1)
+    per_replica = 32
+    x_all, y_all = _teacher_data(args.steps * per_replica * n_rep + 4096, args.seed)
     x_test, y_test = x_all[-4096:], y_all[-4096:]
 
     def init_params(key):
+        din, hidden, classes = x_all.shape[1], 64, 10
         k1, k2 = jax.random.split(key)
         return {
             "w1": jax.random.normal(k1, (din, hidden)) / np.sqrt(din),
@@ -110,6 +108,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"{args.steps} steps, 2 nodes x 4 devices, switch at step {args.start}")
     _print_table(rows)
     return rows
+
+
+def _teacher_data(n: int, seed: int, din: int = 32, classes: int = 10):
+    """``n`` inputs and the labels a noisy linear teacher gives them."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    teacher = rng.standard_normal((din, classes)).astype(np.float32)
+    x = rng.standard_normal((n, din)).astype(np.float32)
+    y = np.argmax(x @ teacher + 0.5 * rng.standard_normal((n, classes)), 1)
+    return x, y
 
 
 def _print_table(rows: list[dict]) -> None:
