@@ -64,15 +64,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ).mean()
 
     def run(name, start, period):
-        if start is None:  # DDP: a chain without the hook averages every step's gradients
-            averager, tx = None, optax.sgd(0.2, momentum=0.9)
-        else:
-            averager = lsgd_jax.PeriodicModelAverager(period, warmup_steps=start)
-            tx = optax.chain(
-                lsgd_jax.post_local_sgd(start),
-                optax.sgd(0.2, momentum=0.9),
-                lsgd_jax.model_averaging(averager),
-            )
+        averager, tx = _optimizer(start, period)
         step = lsgd_jax.data_parallel_step(loss_fn, tx, mesh)
         p0 = init_params(jax.random.key(args.seed))
         params, opt_state = lsgd_jax.replicate(p0, mesh), lsgd_jax.replicate(tx.init(p0), mesh)
@@ -88,14 +80,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         # PyTorch's iter counts the global gradient steps
         grad_global = args.steps if start is None else int(np.asarray(opt_state[0].iter)[0])
         averages = int(np.count_nonzero(averager.schedule(args.steps))) if averager else 0
-        cross = report.where(axes=("node", "local"))
-        grad_bytes = max((c.bytes for c in cross), default=0)
+        grad_bytes = max((c.bytes for c in report.where(axes=("node", "local"))), default=0)
         model = lsgd_jax.consensus(params)
-        acc = float(jnp.mean(jnp.argmax(logits(model, x_test), 1) == y_test))
         return {
             "run": name,
             "train loss": loss,
-            "test acc": acc,
+            "test acc": float(jnp.mean(jnp.argmax(logits(model, x_test), 1) == y_test)),
             "global all-reduces": grad_global + averages,
             "cross-node MB/device": (grad_global + averages) * grad_bytes / 1e6,
             "node-local all-reduces": args.steps - grad_global,
@@ -108,6 +98,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"{args.steps} steps, 2 nodes x 4 devices, switch at step {args.start}")
     _print_table(rows)
     return rows
+
+
+def _optimizer(start: int | None, period: int):
+    """``(averager or None, tx)``: DDP (start None: a chain without the hook averages
+    every step's gradients) or post-local SGD switching at ``start``."""
+    import optax
+
+    import lsgd_jax
+
+    if start is None:
+        return None, optax.sgd(0.2, momentum=0.9)
+    averager = lsgd_jax.PeriodicModelAverager(period, warmup_steps=start)
+    tx = optax.chain(
+        lsgd_jax.post_local_sgd(start),
+        optax.sgd(0.2, momentum=0.9),
+        lsgd_jax.model_averaging(averager),
+    )
+    return averager, tx
 
 
 def _teacher_data(n: int, seed: int, din: int = 32, classes: int = 10):
