@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from lsgd_jax import _collectives, _fragments, _outer, comm
@@ -56,11 +57,20 @@ def average_level(
     p_in, e_in = cut.take(params), cut.take_aligned(extra, params)
     a_in = cut.take(anchor) if anchor is not None else None
     x = _outer.delta_of(p_in, a_in) if averager.delta else p_in
+    # A strategy's per-replica state (error feedback) is params-shaped: cut like them.
+    residual = state.comm_state
+    call_state = None
+    if residual is not None:
+        call_state = (cut.take(residual), jax.tree.map(jnp.zeros_like, e_in))
     # Uncast means: a global mean is invariant, so it can become a replicated anchor.
-    (mean_x, mean_e), skipped, comm_state = comm.apply(
-        averager.communicator, (x, e_in), group, state.comm_state, cast=False, step=state.step
+    (mean_x, mean_e), skipped, call_state = comm.apply(
+        averager.communicator, (x, e_in), group, call_state, cast=False, step=state.step
     )
-    state = state.replace(comm_state=comm_state)
+    if residual is not None:
+        new_residual = _collectives.cast_like(cut.put(residual, call_state[0]), residual)
+        if skipped is not None:
+            new_residual = _outer.select(skipped, residual, new_residual)
+        state = state.replace(comm_state=new_residual)
     new_p = _outer.undelta(a_in, mean_x, p_in) if averager.delta else mean_x
     if is_global and averager.outer_optimizer is not None:
         new_p, state = _outer.outer_step(

@@ -381,7 +381,7 @@ def finite_mean(tree: Any, group: Group, cast: bool = True) -> tuple[Any, jax.Ar
     return out, excluded, finite
 
 
-def _all_gather(x: jax.Array, axis: Any, kwargs: dict) -> jax.Array:
+def all_gather_tiled(x: jax.Array, axis: Any, kwargs: dict) -> jax.Array:
     """A tiled all_gather whose result is typed invariant over ``axis`` where JAX can.
 
     ``lax.all_gather`` types its result as varying, though every replica holds the same
@@ -392,59 +392,6 @@ def _all_gather(x: jax.Array, axis: Any, kwargs: dict) -> jax.Array:
     if invariant is not None and not kwargs:
         return invariant(x, axis, tiled=True)
     return lax.all_gather(x, axis, tiled=True, **kwargs)
-
-
-def compressed_mean(tree: Any, group: Group, dtype: Any, cast: bool = True) -> Any:
-    """The mean of every inexact leaf over ``group``, sent in ``dtype``, summed in f32.
-
-    The averaged leaves are flattened into one buffer, cast to ``dtype`` (e.g. bfloat16)
-    and split into one chunk per replica; an ``all_to_all`` hands each replica its chunk
-    from every peer, which it sums in float32 and divides; an ``all_gather`` of the chunk
-    means, again in ``dtype``, returns the whole mean to everyone. That sends about half
-    the bytes of a float32 ring all-reduce, accumulates in float32, and leaves every
-    replica of the group with the same (``dtype``-rounded) result.
-
-    Args:
-      tree: a pytree; integer and boolean leaves pass unchanged; complex leaves are
-        sent as their real and imaginary parts.
-      group: a resolved group (axes, or IndexGroups).
-      dtype: the dtype on the wire.
-
-    Returns:
-      The averaged tree, each leaf in its own dtype and varying-axes type.
-    """
-    leaves, treedef = jax.tree.flatten(tree)
-    picked = [i for i, x in enumerate(leaves) if is_averaged(x)]
-    if not picked:
-        return tree
-    if isinstance(group, IndexGroups):
-        axis, kwargs = group.axis_name, {"axis_index_groups": group.groups}
-    else:
-        axis, kwargs = group, {}
-    n = group_size(group)
-    parts = []  # complex leaves travel as their real and imaginary parts
-    for i in picked:
-        x = jnp.ravel(leaves[i])
-        parts += [x.real, x.imag] if jnp.iscomplexobj(x) else [x]
-    flat = jnp.concatenate([x.astype(jnp.float32) for x in parts])
-    size = flat.shape[0]
-    buf = jnp.pad(flat, (0, (-size) % n)).astype(dtype).reshape(n, -1)
-    received = lax.all_to_all(buf, axis, 0, 0, **kwargs)
-    chunk_mean = received.astype(jnp.float32).sum(axis=0) / n
-    full = _all_gather(chunk_mean.astype(dtype), axis, kwargs)
-    full = full.astype(jnp.float32)[:size]
-    out, offset = list(leaves), 0
-    for i in picked:
-        x = leaves[i]
-        piece = full[offset : offset + x.size].reshape(x.shape)
-        offset += x.size
-        if jnp.iscomplexobj(x):
-            imag = full[offset : offset + x.size].reshape(x.shape)
-            offset += x.size
-            piece = lax.complex(piece, imag)
-        piece = piece.astype(x.dtype)
-        out[i] = cast_varying(piece, vma(x)) if cast else piece
-    return jax.tree.unflatten(treedef, out)
 
 
 def cast_like(tree: Any, like: Any) -> Any:

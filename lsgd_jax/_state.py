@@ -33,6 +33,12 @@ def _check_communication(communication: Any, what: str) -> Any:
             f"{what}: communication must be a lsgd_jax.comm strategy (e.g. "
             f"lsgd_jax.comm.flat()), got {communication!r}."
         )
+    if communication is not None and communication.init({"g": jnp.zeros(2)}) is not None:
+        raise ValueError(
+            f"{what}: {communication!r} keeps per-replica state (error feedback), which "
+            "the hook's state does not carry; use it on a model averager, or without "
+            "error feedback here."
+        )
     return communication
 
 

@@ -1,0 +1,150 @@
+"""How a mean's bytes travel: one flat buffer, and the collectives that move it.
+
+Every strategy beyond the plain all-reduce (``lsgd_jax.comm``) works on one flat float32
+buffer of a tree's averaged leaves (:func:`pack`), moves it with a few collectives, and
+puts the result back (:class:`Packed`). This module holds those pieces: the packing, the
+two-level sum (reduce-scatter inside the node, all-reduce of the shards across nodes,
+all-gather inside the node: each value crosses the slow link about once, where a flat
+ring all-reduce over every device sends 2 (n - 1) / n of the buffer per device over
+whichever links the ring crosses), and the narrow-dtype mean (all-to-all + all-gather).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from lsgd_jax import _collectives
+from lsgd_jax._collectives import Group, IndexGroups
+
+
+@dataclasses.dataclass(frozen=True)
+class Packed:
+    """A tree's averaged leaves as one flat float32 buffer, and the way back.
+
+    Complex leaves travel as their real and imaginary parts; integer and boolean leaves
+    stay out of the buffer and come back unchanged.
+
+    Attributes:
+      flat: the float32 buffer.
+      leaves: the tree's leaves.
+      treedef: the tree's structure.
+      picked: the indices of the averaged leaves.
+    """
+
+    flat: jax.Array
+    leaves: list[Any]
+    treedef: Any
+    picked: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return int(self.flat.shape[0])
+
+    def unpack(self, flat: jax.Array, cast: bool = True) -> Any:
+        """The tree with the averaged leaves read from ``flat`` (each in its own dtype;
+        with ``cast``, in its own varying-axes type)."""
+        out, offset = list(self.leaves), 0
+        for i in self.picked:
+            x = self.leaves[i]
+            piece = flat[offset : offset + x.size].reshape(x.shape)
+            offset += x.size
+            if jnp.iscomplexobj(x):
+                imag = flat[offset : offset + x.size].reshape(x.shape)
+                offset += x.size
+                piece = lax.complex(piece, imag)
+            piece = piece.astype(x.dtype)
+            out[i] = _collectives.cast_varying(piece, _collectives.vma(x)) if cast else piece
+        return jax.tree.unflatten(self.treedef, out)
+
+
+def pack(tree: Any) -> Packed:
+    """``tree``'s floating (and complex) leaves as one flat float32 buffer.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from lsgd_jax import _wire
+      >>> packed = _wire.pack({"a": jnp.ones(2), "n": jnp.int32(3), "z": jnp.array([1j])})
+      >>> packed.flat.tolist(), packed.unpack(2 * packed.flat)["z"]
+      ([1.0, 1.0, 0.0, 1.0], Array([0.+2.j], dtype=complex64))
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    picked = tuple(i for i, x in enumerate(leaves) if _collectives.is_averaged(x))
+    parts = []
+    for i in picked:
+        x = jnp.ravel(leaves[i])
+        parts += [x.real, x.imag] if jnp.iscomplexobj(x) else [x]
+    flat = (
+        jnp.concatenate([p.astype(jnp.float32) for p in parts])
+        if parts
+        else jnp.zeros([0], jnp.float32)
+    )
+    return Packed(flat, leaves, treedef, picked)
+
+
+def axis_and_kwargs(group: Group) -> tuple[Any, dict]:
+    """The ``axis_name`` and ``axis_index_groups`` keyword of a collective over ``group``."""
+    if isinstance(group, IndexGroups):
+        return group.axis_name, {"axis_index_groups": group.groups}
+    return group, {}
+
+
+def split_two_level(group: Group, inner: str) -> tuple[str, tuple[Any, ...]] | None:
+    """``(inner axis, outer axes)`` when a mean over ``group`` can go in two levels: the
+    group holds ``inner`` (the node's devices) and at least one axis more."""
+    if isinstance(group, IndexGroups) or inner not in group or len(group) < 2:
+        return None
+    return inner, tuple(a for a in group if a != inner)
+
+
+def two_level_sum(flat: jax.Array, inner: str, outer: tuple[Any, ...]) -> jax.Array:
+    """The sum of ``flat`` over ``inner`` x ``outer``, in three steps.
+
+    Reduce-scatter over ``inner`` (each device of the node gets the node's sum of one
+    shard), all-reduce of that shard over ``outer`` (the only step that crosses nodes,
+    1 / size(inner) of the buffer per device), all-gather over ``inner``.
+    """
+    k = lax.axis_size(inner)
+    size = flat.shape[0]
+    padded = jnp.pad(flat, (0, (-size) % k))
+    shard = lax.psum_scatter(padded, inner, scatter_dimension=0, tiled=True)
+    shard = lax.psum(shard, outer)
+    return lax.all_gather(shard, inner, tiled=True)[:size]
+
+
+def two_level_mean(tree: Any, group: Group, inner: str, cast: bool = True) -> Any:
+    """The mean of ``tree``'s floating leaves over ``group``, in two levels where it can
+    (see :func:`two_level_sum`), else one all-reduce."""
+    split = split_two_level(group, inner)
+    if split is None:
+        return _collectives.mean(tree, group, cast)
+    packed = pack(tree)
+    if not packed.picked:
+        return tree
+    total = two_level_sum(packed.flat, *split)
+    return packed.unpack(total / _collectives.group_size(group), cast)
+
+
+def narrow_mean(tree: Any, group: Group, dtype: Any, cast: bool = True) -> Any:
+    """The mean of ``tree``'s floating leaves over ``group``, sent in ``dtype``.
+
+    The buffer, cast to ``dtype`` (e.g. bfloat16), is split into one chunk per replica;
+    an ``all_to_all`` hands each replica its chunk from every peer, which it sums in
+    float32 and divides; an ``all_gather`` of the chunk means, again in ``dtype``,
+    returns the whole mean to everyone: about half the bytes of a float32 ring
+    all-reduce, and every replica of the group gets the same result.
+    """
+    packed = pack(tree)
+    if not packed.picked:
+        return tree
+    axis, kwargs = axis_and_kwargs(group)
+    n = _collectives.group_size(group)
+    buf = jnp.pad(packed.flat, (0, (-packed.size) % n)).astype(dtype).reshape(n, -1)
+    received = lax.all_to_all(buf, axis, 0, 0, **kwargs)
+    chunk_mean = received.astype(jnp.float32).sum(axis=0) / n
+    full = _collectives.all_gather_tiled(chunk_mean.astype(dtype), axis, kwargs)
+    return packed.unpack(full.astype(jnp.float32)[: packed.size], cast)
