@@ -105,19 +105,54 @@ def run(
     is the branch of the steps that do not average. The step is not advanced.
     """
 
-    def skip(op, st):
-        return passthrough(op), st
+    specs = averager._branch_groups()
+    levels = len(specs) + 1
 
-    def make(branch):
-        def level(op, st):
+    def make(phase):
+        level, lands = phase % levels, phase // levels
+        spec = specs[level - 1] if level else None
+
+        def branch(op, st):
+            if not level and not lands:
+                return passthrough(op), st
             params, extra = prepare(op)
-            params, extra, st2 = average_level(averager, params, extra, st, branch)
+            if lands:  # the delayed average started `delay` calls ago lands now
+                params = _land(params, st)
+            if spec is not None and averager.delay and spec[2]:  # a delayed global one
+                st2 = _start(averager, params, st, spec)
+            elif spec is not None:
+                params, extra, st2 = average_level(averager, params, extra, st, spec)
+            else:
+                st2 = st
             return finish(op, params, extra), _collectives.cast_like(st2, st)
 
-        return level
+        return branch
 
-    branches = [skip] + [make(b) for b in averager._branch_groups()]
+    branches = [make(k) for k in range(averager.sync_schedule.num_phases)]
     return dispatch("model_averaging", state, branches, operand, state)
+
+
+def _start(
+    averager: Any, params: Any, state: ModelAveragerState, spec: tuple
+) -> ModelAveragerState:
+    """A delayed global average starts: the mean (or the outer optimizer's step) of
+    ``params`` is taken and kept, with ``params`` as they are now; they do not change."""
+    mean, _, state = average_level(averager, params, None, state, spec)
+    return state.replace(
+        inflight_start=_collectives.cast_like(params, state.inflight_start),
+        inflight_mean=_collectives.cast_like(mean, state.inflight_mean),
+    )
+
+
+def _land(params: Any, state: ModelAveragerState) -> Any:
+    """``params + (mean - start)``: the consensus correction on top of the local progress
+    made since the average started (floating leaves; integer ones pass)."""
+    return jax.tree.map(
+        lambda p, m, s: p + (m - s) if _collectives.is_averaged(p) else p,
+        params,
+        state.inflight_mean,
+        state.inflight_start,
+    )
 
 
 def alongside(averager: Any, tree: Any, state: ModelAveragerState) -> Any:
@@ -127,7 +162,9 @@ def alongside(averager: Any, tree: Any, state: ModelAveragerState) -> Any:
     def mean(t, group):
         return comm.apply(averager.communicator, t, group, None, step=state.step).value
 
-    branches = [lambda t: t] + [
+    per_level = [lambda t: t] + [
         functools.partial(mean, group=group) for group, _, _ in averager._branch_groups()
     ]
+    levels = len(per_level)  # with a delay, phase k is level k % levels (landing or not)
+    branches = [per_level[k % levels] for k in range(averager.sync_schedule.num_phases)]
     return dispatch("model_state_averaging", state, branches, tree)

@@ -34,6 +34,10 @@ class ModelAveragerState(Struct):
       last_sync: int32 scalar, the step of the last average (a callable ``period``).
       comm_state: the communication strategy's per-replica state (None for the
         stateless ones).
+      inflight_start: with ``delay``: this replica's params when the global average in
+        flight started (``s``).
+      inflight_mean: with ``delay``: that average (or the outer optimizer's new global
+        params), which lands ``delay`` calls after it started as ``params + (mean - s)``.
       pinned_phase: None, or (static) the level this call takes whatever the counters
         say: set by whoever specializes a step per phase (see :func:`phase_index`), in
         the static metadata so that every trace cache keys on it.
@@ -52,12 +56,15 @@ class ModelAveragerState(Struct):
     outer_count: Any = None
     last_sync: Any = None
     comm_state: Any = None
+    inflight_start: Any = None
+    inflight_mean: Any = None
     pinned_phase: int | None = static_field(default=None)
 
     @property
     def num_phases(self) -> int:
-        """How many branches the averager has: one per level, plus "no average"."""
-        return 1 if self.averager is None else self.averager.num_levels + 1
+        """How many branches the averager has: one per level, plus "no average" (with a
+        delay, each with and without a landing average)."""
+        return 1 if self.averager is None else self.averager.sync_schedule.num_phases
 
     @property
     def phase(self) -> jax.Array:
@@ -72,7 +79,7 @@ class ModelAveragerState(Struct):
         if self.averager is None:
             return jnp.zeros([], jnp.int32)
         schedule = self.averager.sync_schedule
-        return jnp.asarray(schedule.level(self.step, self.last_sync), jnp.int32)
+        return jnp.asarray(schedule.phase(self.step, self.last_sync), jnp.int32)
 
 
 def check_state(state: Any, what: str, averager: Any) -> None:
@@ -86,11 +93,12 @@ def check_state(state: Any, what: str, averager: Any) -> None:
             f"{what}: this state belongs to {state.averager!r}, not to {averager!r}; "
             "use the state that this averager's init() made."
         )
-    if averager.needs_params and state.anchor is None:
+    missing = (averager.outer_optimizer is not None or averager.delta) and state.anchor is None
+    if missing or (averager.delay and state.inflight_start is None):
         raise ValueError(
-            f"{what}: {type(averager).__name__} with outer_optimizer or delta keeps the "
-            "params of the last global average in its state; create the state with "
-            "averager.init(params)."
+            f"{what}: {type(averager).__name__} with outer_optimizer, delta or delay keeps "
+            "params (the last global average's, or the one in flight) in its state; create "
+            "the state with averager.init(params)."
         )
 
 
@@ -102,12 +110,12 @@ def initial_state(averager: Any, params: Any = None) -> ModelAveragerState:
     communication strategy its own state.
     """
     state = ModelAveragerState(step=jnp.zeros([], jnp.int32), averager=averager)
-    if averager.needs_params:
-        if params is None:
-            raise ValueError(
-                f"{type(averager).__name__} with outer_optimizer or delta needs the initial "
-                "params: call averager.init(params)."
-            )
+    if averager.needs_params and params is None:
+        raise ValueError(
+            f"{type(averager).__name__} with outer_optimizer, delta or delay needs the "
+            "initial params: call averager.init(params)."
+        )
+    if averager.outer_optimizer is not None or averager.delta:
         anchor = jax.tree.map(jnp.asarray, params)
         state = state.replace(anchor=anchor)
         if averager.outer_optimizer is not None:
@@ -117,4 +125,7 @@ def initial_state(averager: Any, params: Any = None) -> ModelAveragerState:
             )
     if averager.sync_schedule.tracks_last_sync:
         state = state.replace(last_sync=jnp.zeros([], jnp.int32))
+    if averager.delay:
+        start = jax.tree.map(jnp.asarray, params)
+        state = state.replace(inflight_start=start, inflight_mean=start)
     return state.replace(comm_state=averager.communicator.init(params))

@@ -71,6 +71,20 @@ _OPTIONS_DOC = """
         instead of the params, and add it back to the anchor: with
         ``communication_dtype`` the rounding then falls on the small change only.
         Needs ``init(params)``.
+      delay: ``tau`` (0: PyTorch's rule). A global average (every average of a
+        periodic averager, the last level of a hierarchical one) then lands ``tau``
+        calls after it starts: at a call t that averages, each replica keeps its params
+        ``s`` as they are and starts the mean (or the outer optimizer's step) of ``s``;
+        at call t + tau, after that call's update, params become ``params + (mean - s)``:
+        the consensus correction on top of the local progress made meanwhile, so the
+        average can travel while the next steps compute (Overlap Local-SGD: Wang,
+        Tantia, Ballas, Rabbat, "Overlap Local-SGD: An Algorithmic Approach to Hide
+        Communication Delays in Distributed SGD", ICASSP 2020; Streaming DiLoCo's
+        overlap: Douillard et al., 2025). ``1 <= tau <`` the period (``period /
+        fragments`` with fragments; the global period of a hierarchy): one average in
+        flight at a time. Needs ``init(params)``; ``s`` and the mean are in the state
+        (checkpointed). Model state (``data_parallel_step``) is averaged when the
+        average starts; ``average_opt_state`` is not supported with a delay.
       communication: how the mean travels, a ``lsgd_jax.comm`` strategy (e.g.
         ``comm.finite_only("skip")``, ``comm.compressed(jnp.bfloat16)``); None: from
         ``nonfinite`` and ``communication_dtype`` (``comm.flat()`` by default). Give
@@ -172,8 +186,8 @@ class _Averager(abc.ABC):
 
     @property
     def needs_params(self) -> bool:
-        """Whether ``init`` needs the params (outer optimizer or delta averaging)."""
-        return self.outer_optimizer is not None or self.delta
+        """Whether ``init`` needs the params (outer optimizer, delta, delay)."""
+        return self.outer_optimizer is not None or self.delta or bool(self.delay)
 
     @property
     def num_levels(self) -> int:
@@ -317,6 +331,11 @@ class _Averager(abc.ABC):
           Array([15., 15., 15., 15.], dtype=float32)
         """
         check_state(state, "average_parameters", self)
+        if self.delay and extra is not None:
+            raise ValueError(
+                f"average_tree: extra values are not averaged by a delayed average (delay="
+                f"{self.delay}); average them with average_alongside, or use delay=0."
+            )
         (params, extra), state = _average_call.run(
             self,
             (params, extra),
@@ -336,6 +355,7 @@ def _options() -> dict[str, Any]:
         "communication_dtype": dataclasses.field(default=None, kw_only=True),
         "delta": dataclasses.field(default=False, kw_only=True),
         "communication": dataclasses.field(default=None, kw_only=True),
+        "delay": dataclasses.field(default=0, kw_only=True),
     }
 
 
@@ -391,6 +411,7 @@ class PeriodicModelAverager(_Averager):
     communication_dtype: Any = _options()["communication_dtype"]
     delta: bool = _options()["delta"]
     communication: Any = _options()["communication"]
+    delay: int = _options()["delay"]
 
     def __post_init__(self) -> None:
         _check_options(self)
@@ -398,14 +419,15 @@ class PeriodicModelAverager(_Averager):
         object.__setattr__(self, "warmup_steps", warmup)
         k = _validate.positive_int(self.fragments, "fragments")
         if callable(self.period):
-            if k > 1:
+            if k > 1 or self.delay:
                 raise ValueError(
-                    f"fragments={k} needs an int period divisible by it, got period="
-                    f"{self.period!r}; e.g. period={4 * k}."
+                    f"fragments={k} and delay={self.delay} need an int period (a callable "
+                    f"period has no fixed spacing), got period={self.period!r}; e.g. "
+                    f"period={4 * k}."
                 )
             schedule: Any = AdaptiveSchedule(self.period, warmup)
         else:
-            schedule = PeriodicSchedule(self.period, warmup, k)
+            schedule = PeriodicSchedule(self.period, warmup, k, self.delay)
             object.__setattr__(self, "period", schedule.period)
             if schedule.period == 1:
                 warnings.warn(_PERIOD_ONE, stacklevel=3)
@@ -479,9 +501,9 @@ class HierarchicalModelAverager(_Averager):
       warmup_steps: steps before the first average (>= 0).
       process_group: the global axes, to check the last group against at construction;
         None: checked where it runs, against every bound mapped axis.
-      nonfinite, outer_optimizer, communication_dtype, delta: as for
-        PeriodicModelAverager; the outer optimizer acts at the global (last) level, and
-        the anchor is the params at the last global average.
+      nonfinite, outer_optimizer, communication_dtype, delta, communication, delay: as
+        for PeriodicModelAverager; the outer optimizer and the delay act at the global
+        (last) level, and the anchor is the params at the last global average.
 
     Example:
       >>> import lsgd_jax
@@ -500,6 +522,7 @@ class HierarchicalModelAverager(_Averager):
     communication_dtype: Any = _options()["communication_dtype"]
     delta: bool = _options()["delta"]
     communication: Any = _options()["communication"]
+    delay: int = _options()["delay"]
 
     def __post_init__(self) -> None:
         _check_options(self)
@@ -523,7 +546,8 @@ class HierarchicalModelAverager(_Averager):
             )
         warmup = _validate.nonnegative_int(self.warmup_steps, "warmup_steps")
         object.__setattr__(self, "warmup_steps", warmup)
-        object.__setattr__(self, "_schedule", HierarchicalSchedule(tuple(periods), warmup))
+        schedule = HierarchicalSchedule(tuple(periods), warmup, self.delay)
+        object.__setattr__(self, "_schedule", schedule)
         object.__setattr__(self, "period_group_dict", tuple(zip(periods, groups)))
         pg = _collectives.normalize_group(self.process_group, "process_group")
         object.__setattr__(self, "process_group", pg)

@@ -168,6 +168,12 @@ def post_local_sgd_optimizer(
       ... )
     """
     check_averager(averager, "post_local_sgd_optimizer")
+    if averager.delay and average_opt_state is not None:
+        raise ValueError(
+            f"post_local_sgd_optimizer: average_opt_state is not supported with a delayed "
+            f"average (delay={averager.delay}): the optimizer state would land on other "
+            "steps than the params. Use delay=0 or average_opt_state=None."
+        )
     inner = optax.with_extra_args_support(optim)
 
     def mask_of(inner_state):

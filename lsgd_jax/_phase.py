@@ -174,8 +174,7 @@ def replay_phases(opt_state: Any, num_steps: int) -> np.ndarray:
             last = _first(state.last_sync) if state.last_sync is not None else 0
             digits = []
             for s in range(step, step + num_steps):
-                level = schedule.level(s, last)
-                digits.append(level)
-                last = s if level else last
+                digits.append(schedule.phase(s, last))
+                last = s if schedule.level(s, last) else last
         index = index * state.num_phases + np.asarray(digits, np.int64)
     return index.astype(np.int32)

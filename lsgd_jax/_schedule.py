@@ -47,6 +47,15 @@ def _counter_overflow(name: str, step: Any) -> None:
     )
 
 
+def _check_delay(delay: Any, limit: int, what: str) -> None:
+    _validate.nonnegative_int(delay, "delay")
+    if delay and delay >= limit:
+        raise ValueError(
+            f"delay={delay} must be below {what} ({limit}): one average in flight at a "
+            f"time; use delay <= {limit - 1}."
+        )
+
+
 class _Schedule:
     """What every schedule offers; subclasses define ``level``, ``num_levels``, ``cycle``.
 
@@ -54,6 +63,7 @@ class _Schedule:
     """
 
     warmup_steps: int
+    delay: int = 0
     tracks_last_sync = False
 
     @property
@@ -76,6 +86,42 @@ class _Schedule:
           [False, False, True]
         """
         raise NotImplementedError
+
+    @property
+    def num_phases(self) -> int:
+        """Branches of a call: "no average" and each level; with a ``delay``, each of
+        those with and without the landing of the average started ``delay`` calls ago."""
+        return (self.num_levels + 1) * (2 if self.delay else 1)
+
+    def lands(self, step: Any) -> Any:
+        """Whether a delayed global average started ``delay`` calls before ``step`` lands
+        at ``step`` (False without a delay)."""
+        if not self.delay:
+            return jnp.zeros([], bool) if _is_traced(step) else False
+        started = self.level(step - self.delay)
+        if _is_traced(started):
+            return (started > 0) & jnp.asarray(self._global_mask())[started]
+        return bool(started) and self.is_global(int(started))
+
+    def _global_mask(self) -> list[bool]:
+        return [bool(k) and self.is_global(k) for k in range(self.num_levels + 1)]
+
+    def phase(self, step: Any, last_sync: Any = None) -> Any:
+        """The branch of the call at ``step``: its level, plus ``num_levels + 1`` when a
+        delayed average lands there.
+
+        Example:
+          >>> from lsgd_jax._schedule import PeriodicSchedule
+          >>> [PeriodicSchedule(4, delay=2).phase(s) for s in range(7)]
+          [1, 0, 2, 0, 1, 0, 2]
+        """
+        level = self.level(step, last_sync)
+        if not self.delay:
+            return level
+        lands = self.lands(step)
+        if _is_traced(level, lands):
+            return (level + (self.num_levels + 1) * lands).astype(jnp.int32)
+        return int(level) + (self.num_levels + 1) * int(lands)
 
     def replay(self, num_steps: int) -> np.ndarray:
         """The level of every call from step 0 to ``num_steps - 1``, in plain Python.
@@ -107,7 +153,8 @@ class _Schedule:
           >>> int(schedule.next_step(jnp.int32(2**31 - 1), "avg"))
           2
         """
-        cycle, span = self.cycle, INT32_MAX + 1 - self.warmup_steps
+        # never below warm-up + delay, so that "step - delay" keeps its level too
+        cycle, span = self.cycle, INT32_MAX + 1 - self.warmup_steps - self.delay
         if cycle is not None and cycle <= span:
             wrapped = INT32_MAX + 1 - cycle * (span // cycle)
             nxt = jnp.where(step == INT32_MAX, jnp.int32(wrapped), step + (step < INT32_MAX))
@@ -142,6 +189,7 @@ class PeriodicSchedule(_Schedule):
     period: int
     warmup_steps: int = 0
     fragments: int = 1
+    delay: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "period", _validate.positive_int(self.period, "period"))
@@ -154,6 +202,8 @@ class PeriodicSchedule(_Schedule):
                 f"{self.period!r}; e.g. period={4 * k}."
             )
         object.__setattr__(self, "fragments", k)
+        _check_delay(self.delay, self.period // k, "period / fragments" if k > 1 else "period")
+        object.__setattr__(self, "delay", int(self.delay))
 
     @property
     def num_levels(self) -> int:
@@ -197,6 +247,7 @@ class HierarchicalSchedule(_Schedule):
 
     periods: tuple[int, ...]
     warmup_steps: int = 0
+    delay: int = 0
 
     def __post_init__(self) -> None:
         periods = tuple(_validate.positive_int(p, f"period {p!r}") for p in self.periods)
@@ -208,6 +259,8 @@ class HierarchicalSchedule(_Schedule):
         object.__setattr__(self, "periods", periods)
         warmup = _validate.nonnegative_int(self.warmup_steps, "warmup_steps")
         object.__setattr__(self, "warmup_steps", warmup)
+        _check_delay(self.delay, periods[-1], "the global period")
+        object.__setattr__(self, "delay", int(self.delay))
 
     @property
     def num_levels(self) -> int:
