@@ -446,7 +446,7 @@ class PeriodicModelAverager(_Averager):
         Example:
           >>> import lsgd_jax
           >>> lsgd_jax.PeriodicModelAverager(4, warmup_steps=2).sync_schedule
-          PeriodicSchedule(period=4, warmup_steps=2, fragments=1)
+          PeriodicSchedule(period=4, warmup_steps=2, fragments=1, delay=0)
         """
         return self._schedule  # type: ignore[attr-defined]
 
