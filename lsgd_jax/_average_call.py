@@ -119,7 +119,7 @@ def run(
             if lands:  # the delayed average started `delay` calls ago lands now
                 params = _land(params, st)
             if spec is not None and averager.delay and spec[2]:  # a delayed global one
-                st2 = _start(averager, params, st, spec)
+                st2 = _start(averager, params, st, spec, level)
             elif spec is not None:
                 params, extra, st2 = average_level(averager, params, extra, st, spec)
             else:
@@ -133,14 +133,31 @@ def run(
 
 
 def _start(
-    averager: Any, params: Any, state: ModelAveragerState, spec: tuple
+    averager: Any, params: Any, state: ModelAveragerState, spec: tuple, level: int
 ) -> ModelAveragerState:
     """A delayed global average starts: the mean (or the outer optimizer's step) of
-    ``params`` is taken and kept, with ``params`` as they are now; they do not change."""
-    mean, _, state = average_level(averager, params, None, state, spec)
+    ``params`` is taken and kept, with ``params`` as they are now; they do not change.
+    A ``deferred`` state only records ``params`` and the level: another program takes
+    the mean (:func:`finish_deferred`)."""
+    state = state.replace(inflight_start=_collectives.cast_like(params, state.inflight_start))
+    if state.deferred:
+        return state.replace(inflight_level=jnp.full_like(state.inflight_level, level))
+    return finish_deferred(averager, state, level)
+
+
+def finish_deferred(averager: Any, state: ModelAveragerState, level: int) -> ModelAveragerState:
+    """The mean of a started delayed average (level ``level``) from the state alone:
+    ``inflight_mean`` (and the anchor, outer optimizer and communication states, as
+    that average leaves them), with ``inflight_level`` back to 0.
+
+    Inside ``shard_map`` over the averager's axes, on one replica's state.
+    """
+    spec = averager._branch_groups()[level - 1]
+    start = state.inflight_start
+    mean, _, state = average_level(averager, start, None, state, spec)
     return state.replace(
-        inflight_start=_collectives.cast_like(params, state.inflight_start),
         inflight_mean=_collectives.cast_like(mean, state.inflight_mean),
+        inflight_level=jnp.zeros_like(state.inflight_level),
     )
 
 

@@ -38,6 +38,12 @@ class ModelAveragerState(Struct):
         flight started (``s``).
       inflight_mean: with ``delay``: that average (or the outer optimizer's new global
         params), which lands ``delay`` calls after it started as ``params + (mean - s)``.
+      inflight_level: with ``delay``: int32 scalar, the level of an average that started
+        but whose mean is still being taken elsewhere (``deferred``); 0 otherwise.
+      deferred: (static) set by ``data_parallel_step`` while it takes delayed means in a
+        program of their own, on another thread: a starting average then only records
+        ``s`` and its level (and the anchor, outer state and communication state as they
+        were), and :func:`finish_deferred` takes the mean.
       pinned_phase: None, or (static) the level this call takes whatever the counters
         say: set by whoever specializes a step per phase (see :func:`phase_index`), in
         the static metadata so that every trace cache keys on it.
@@ -58,7 +64,9 @@ class ModelAveragerState(Struct):
     comm_state: Any = None
     inflight_start: Any = None
     inflight_mean: Any = None
+    inflight_level: Any = None
     pinned_phase: int | None = static_field(default=None)
+    deferred: bool = static_field(default=False)
 
     @property
     def num_phases(self) -> int:
@@ -127,5 +135,7 @@ def initial_state(averager: Any, params: Any = None) -> ModelAveragerState:
         state = state.replace(last_sync=jnp.zeros([], jnp.int32))
     if averager.delay:
         start = jax.tree.map(jnp.asarray, params)
-        state = state.replace(inflight_start=start, inflight_mean=start)
+        state = state.replace(
+            inflight_start=start, inflight_mean=start, inflight_level=jnp.zeros([], jnp.int32)
+        )
     return state.replace(comm_state=averager.communicator.init(params))

@@ -131,9 +131,7 @@ def _is_static_node(x: Any) -> bool:
 
 
 _AVERAGER_DATA = tuple(
-    f.name
-    for f in dataclasses.fields(ModelAveragerState)
-    if f.name not in ("averager", "pinned_phase")
+    f.name for f in dataclasses.fields(ModelAveragerState) if not f.metadata.get("static")
 )
 
 

@@ -27,9 +27,11 @@ import numpy as np
 from lsgd_jax._averager_state import ModelAveragerState
 from lsgd_jax._state import PostLocalSGDState
 
+STATE_TYPES = (PostLocalSGDState, ModelAveragerState)
+
 
 def _is_state(x: Any) -> bool:
-    return isinstance(x, (PostLocalSGDState, ModelAveragerState))
+    return isinstance(x, STATE_TYPES)
 
 
 def branching_states(opt_state: Any) -> list[Any]:
@@ -91,23 +93,50 @@ def phase_index(opt_state: Any) -> jax.Array:
     return index
 
 
-def pin(opt_state: Any, index: int) -> Any:
-    """``opt_state`` with every branching state pinned to its digit of phase ``index``."""
+def digits(opt_state: Any, index: int) -> list[int]:
+    """Each branching state's part of phase ``index`` (the mixed-radix digits)."""
+    out = []
+    for state in reversed(branching_states(opt_state)):
+        index, digit = divmod(index, state.num_phases)
+        out.append(digit)
+    return out[::-1]
+
+
+def delayed_start(state: Any, digit: int) -> int:
+    """The level of the delayed global average that ``state`` (an averager's) starts in
+    its phase ``digit``, or 0."""
+    schedule = state.averager.sync_schedule
+    level = digit % (schedule.num_levels + 1)
+    return level if state.averager.delay and level and schedule.is_global(level) else 0
+
+
+def pin(opt_state: Any, index: int, defer: bool = False) -> Any:
+    """``opt_state`` with every branching state pinned to its digit of phase ``index``;
+    with ``defer``, the averagers with a delay take their means elsewhere (see
+    ``ModelAveragerState.deferred``)."""
     leaves, treedef = jax.tree.flatten(opt_state, is_leaf=_is_state)
     branching = [i for i, x in enumerate(leaves) if _is_state(x) and x.num_phases > 1]
     for i in reversed(branching):  # the last state is the lowest digit
         index, digit = divmod(index, leaves[i].num_phases)
         leaves[i] = leaves[i].replace(pinned_phase=digit)
+        if defer and isinstance(leaves[i], ModelAveragerState) and leaves[i].averager.delay:
+            leaves[i] = leaves[i].replace(deferred=True)
     return jax.tree.unflatten(treedef, leaves)
 
 
 def unpin(opt_state: Any) -> Any:
     """``opt_state`` with every pin cleared."""
     return jax.tree.map(
-        lambda x: x.replace(pinned_phase=None) if _is_state(x) else x,
+        lambda x: _unpinned(x) if _is_state(x) else x,
         opt_state,
         is_leaf=_is_state,
     )
+
+
+def _unpinned(state: Any) -> Any:
+    if isinstance(state, ModelAveragerState):
+        return state.replace(pinned_phase=None, deferred=False)
+    return state.replace(pinned_phase=None)
 
 
 def _first(x: Any) -> int:
@@ -140,6 +169,26 @@ def counters_snapshot(opt_state: Any) -> list[Any]:
     return out
 
 
+def replay_digits(opt_state: Any, num_steps: int) -> np.ndarray:
+    """Each branching state's phase at each of the next ``num_steps`` steps, replayed in
+    plain Python: an int array ``[states, steps]`` (see :func:`replay_phases`)."""
+    rows = []
+    for state in branching_states(opt_state):
+        if isinstance(state, PostLocalSGDState):
+            first = _first(state.iter)
+            rows.append([int(first + t < state.start_localSGD_iter) for t in range(num_steps)])
+            continue
+        schedule = state.averager.sync_schedule
+        step = _first(state.step)
+        last = _first(state.last_sync) if state.last_sync is not None else 0
+        digits = []
+        for s in range(step, step + num_steps):
+            digits.append(schedule.phase(s, last))
+            last = s if schedule.level(s, last) else last
+        rows.append(digits)
+    return np.asarray(rows, np.int64).reshape(len(rows), num_steps)
+
+
 def replay_phases(opt_state: Any, num_steps: int) -> np.ndarray:
     """The phase index of each of the next ``num_steps`` steps, replayed in plain Python.
 
@@ -164,17 +213,6 @@ def replay_phases(opt_state: Any, num_steps: int) -> np.ndarray:
       [2, 2, 1, 0, 1, 0]
     """
     index = np.zeros(num_steps, np.int64)
-    for state in branching_states(opt_state):
-        if isinstance(state, PostLocalSGDState):
-            first = _first(state.iter)
-            digits = [int(first + t < state.start_localSGD_iter) for t in range(num_steps)]
-        else:
-            schedule = state.averager.sync_schedule
-            step = _first(state.step)
-            last = _first(state.last_sync) if state.last_sync is not None else 0
-            digits = []
-            for s in range(step, step + num_steps):
-                digits.append(schedule.phase(s, last))
-                last = s if schedule.level(s, last) else last
-        index = index * state.num_phases + np.asarray(digits, np.int64)
+    for state, digits in zip(branching_states(opt_state), replay_digits(opt_state, num_steps)):
+        index = index * state.num_phases + digits
     return index.astype(np.int32)

@@ -8,6 +8,7 @@ the host, and keeps at most a few steps in flight.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,7 +19,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from lsgd_jax import _phase, _step_program, _validate
+from lsgd_jax import _overlap, _phase, _step_program, _validate
+from lsgd_jax._averager_state import ModelAveragerState
 from lsgd_jax._mesh import _num_replicas, data_axes
 from lsgd_jax._step_program import MAX_PHASES, StepSpec, averager_states
 from lsgd_jax._sync import assert_replicas_in_sync
@@ -88,6 +90,28 @@ class _Identity:
         )
 
 
+def _overlap_position(opt_state: Any) -> int | None:
+    """The index among the branching states of the one averager with a delay whose
+    means can go in the background, or None."""
+    states = _phase.branching_states(opt_state)
+    delayed = [
+        i for i, x in enumerate(states) if isinstance(x, ModelAveragerState) and x.averager.delay
+    ]
+    if len(delayed) != 1 or jax.process_count() > 1:
+        # Two programs with collectives over the same several devices per process, run
+        # from two threads, deadlock across processes in jax 0.10.2 (XLA:CPU with
+        # gloo; measured with 2 processes x 2 or 4 devices, also on separate collective
+        # contexts): several processes take the mean inside the step.
+        return None
+    averager = states[delayed[0]].averager
+    # Local levels between a start and its landing would also use the communication
+    # state (error feedback) that the background average updates: keep those in-program.
+    stateful = states[delayed[0]].comm_state is not None
+    if stateful and averager.num_levels > 1 and averager.sync_schedule.is_global(1) is False:
+        return None
+    return delayed[0]
+
+
 def _check_batch(batch: Any, n: int, axes: tuple[str, ...]) -> None:
     for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
         shape = jnp.shape(x)
@@ -124,6 +148,7 @@ def data_parallel_step(
     check_in_sync_every: int | None = None,
     specialize: bool | str = True,
     lowering: str = "shard_map",
+    overlap: bool = True,
 ) -> DataParallelStep:
     """A jitted, donated ``shard_map`` training step over per-replica params and state.
 
@@ -205,6 +230,18 @@ def data_parallel_step(
         rest of such a codebase), and only the update, whose means must name the data
         axes, runs inside a ``shard_map`` of its own. The same signature, layout,
         collectives (each conditional on its phase as before) and numbers.
+      overlap: with an averager that has a ``delay`` (and ``specialize=True``), take
+        each delayed average's mean in a program of its own, dispatched from a
+        background thread, so that its collective runs while the next steps compute
+        (XLA:CPU runs one program's collectives and compute one after the other; on
+        GPU the next steps' kernels also overlap it). The same maths, on the same
+        devices listed in another order (a separate collective context), so the same
+        numbers up to the order of the float sums. A checkpoint saved while an average
+        is in flight holds what its mean is taken from; resuming takes it again.
+        One process only, for now: with several processes two programs with
+        collectives over the same devices, run from two threads, deadlock in jax
+        0.10.2 (XLA:CPU, gloo), so the mean is taken inside the step there.
+        False: the mean is taken inside the step that starts the average.
       check_in_sync_every: on the first call and then every this many calls, run
         :func:`assert_replicas_in_sync` on the incoming optimizer state, so that replicas
         or processes whose step counters differ fail with an error instead of hanging
@@ -263,6 +300,7 @@ def data_parallel_step(
         check_in_sync_every=_validate.optional_positive_int(
             check_in_sync_every, "data_parallel_step: check_in_sync_every"
         ),
+        overlap=_validate.boolean(overlap, "data_parallel_step: overlap"),
     )
 
 
@@ -279,8 +317,8 @@ class DataParallelStep:
       jitted: the step as ONE ``jax.jit`` function (every phase in it, under one
         ``lax.switch``, or with the transforms' conds when ``specialize=False``), with
         the signature ``(params, model_state, opt_state, batch) -> (params,
-        model_state, opt_state, loss, aux, ok)`` (``model_state`` and ``aux`` None
-        where unused): what reports and exports read. Calls use one program per phase.
+        model_state, opt_state, loss, aux, ok, deferred)`` (``model_state``, ``aux`` and
+        ``deferred`` None where unused): what reports and exports read. Calls use one program per phase.
       with_model_state: whether the step takes and returns model state.
       has_aux: whether the step returns ``aux``.
     """
@@ -294,6 +332,7 @@ class DataParallelStep:
         specialize: bool | str,
         max_in_flight: int | None,
         check_in_sync_every: int | None,
+        overlap: bool = True,
     ) -> None:
         self._spec = spec
         self.with_model_state = spec.with_model_state
@@ -302,11 +341,14 @@ class DataParallelStep:
         self._max_in_flight = max_in_flight
         self._check_in_sync_every = check_in_sync_every
         self._programs: dict[Any, Any] = {}
-        self._layouts: dict[Any, int | str | None] = {}
+        self._layouts: dict[Any, tuple[int | str | None, int | None]] = {}
+        self._overlap_wanted = overlap
+        self._overlap: _overlap.Overlap | None = None
+        self._digits = np.zeros((0, 0), np.int64)
         self._in_flight: collections.deque = collections.deque()
         self._unchecked: collections.deque = collections.deque()
         self._calls = 0
-        self._plan: np.ndarray | None = None  # the phases replayed from a snapshot
+        self._plan: bool | None = None  # whether a replay of the counters is followed
         self._snapshot: Any = None
         self._position = 0  # index into the plan of the next call
         self._returned: Any = None  # the optimizer state the last call returned
@@ -316,10 +358,11 @@ class DataParallelStep:
     def jitted(self) -> Any:
         return self._program("cond" if self._specialize is False else "switch")
 
-    def _program(self, mode: int | str) -> Any:
-        if mode not in self._programs:
-            self._programs[mode] = _step_program.program(self._spec, mode)
-        return self._programs[mode]
+    def _program(self, mode: int | str, defer: bool = False) -> Any:
+        if (mode, defer) not in self._programs:
+            spec = dataclasses.replace(self._spec, defer=defer)
+            self._programs[mode, defer] = _step_program.program(spec, mode)
+        return self._programs[mode, defer]
 
     def jit_args(self, *args: Any) -> tuple[Any, Any, Any, Any]:
         """``(params, model_state, opt_state, batch)`` for :attr:`jitted` from the step's
@@ -345,9 +388,10 @@ class DataParallelStep:
         if spec.with_model_state:
             _check_replicated(model_state, "model_state", n, spec.mesh, spec.axes)
 
-    def _fixed_program(self, opt_state: Any) -> int | str | None:
-        """From the state's structure alone (cached by tree structure): a fixed program,
-        or None: one per phase, followed on the host."""
+    def _layout(self, opt_state: Any) -> tuple[int | str | None, int | None]:
+        """From the state's structure alone (cached by tree structure): a fixed program
+        (or None: one per phase, followed on the host), and the index among the
+        branching states of a delayed averager whose means go in the background."""
         treedef = jax.tree.structure(opt_state)
         if treedef not in self._layouts:
             fixed: int | str | None = None
@@ -359,23 +403,53 @@ class DataParallelStep:
                 )
                 if any(isinstance(x, _SKIPPING_WRAPPERS) for x in wrappers):
                     fixed = "switch"
-            self._layouts[treedef] = fixed
+            position = (
+                None
+                if fixed is not None or not self._overlap_wanted
+                else (_overlap_position(opt_state))
+            )
+            self._layouts[treedef] = (fixed, position)
         return self._layouts[treedef]
 
     def _mode(self, opt_state: Any) -> int | str:
         """This call's program: its phase, followed on the host, or one program."""
         if self._plan is None or opt_state is not self._returned:
-            fixed = self._fixed_program(opt_state)
+            fixed, position = self._layout(opt_state)
             if fixed is not None:
                 return fixed
             # A state this step did not just return (the first call, a restored or
             # reused state): read its counters once (the state must be computed).
             self._snapshot = _phase.counters_snapshot(opt_state)
-            self._plan, self._position = _phase.replay_phases(self._snapshot, 8), 0
-        if self._position >= len(self._plan):
-            grown = 2 * len(self._plan)
-            self._plan = _phase.replay_phases(self._snapshot, grown)
-        return int(self._plan[self._position])
+            self._digits = _phase.replay_digits(self._snapshot, 8)
+            self._position = 0
+            self._overlap = self._start_overlap(position, opt_state)
+        if self._position >= self._digits.shape[1]:
+            self._digits = _phase.replay_digits(self._snapshot, 2 * self._digits.shape[1])
+        self._plan = True
+        radix = [s.num_phases for s in self._snapshot]
+        index = 0
+        for digit, n in zip(self._digits[:, self._position], radix):
+            index = index * n + int(digit)
+        return index
+
+    def _start_overlap(self, position: int | None, opt_state: Any) -> _overlap.Overlap | None:
+        if self._overlap is not None:
+            self._overlap.close()  # a timeline left behind: its mean is not wanted
+        if position is None:
+            return None
+        overlap = _overlap.Overlap(self._spec.mesh, self._spec.axes, position)
+        overlap.start_from(opt_state)  # an average started before a checkpoint
+        return overlap
+
+    def _overlap_events(self) -> tuple[bool, int]:
+        """Whether the delayed average lands at this call, and the level it starts (0)."""
+        overlap = self._overlap
+        if overlap is None:
+            return False, 0
+        state = self._snapshot[overlap.position]
+        digit = int(self._digits[overlap.position, self._position])
+        lands = digit > state.averager.num_levels
+        return lands, _phase.delayed_start(state, digit)
 
     def __call__(self, *args: Any) -> tuple[Any, ...]:
         params, model_state, opt_state, batch = self.jit_args(*args)
@@ -387,9 +461,15 @@ class DataParallelStep:
             self._check(params, model_state, opt_state)
         _check_batch(batch, _num_replicas(self._spec.mesh, self._spec.axes), self._spec.axes)
         mode = self._mode(opt_state)
-        params, model_state, opt_state, loss, aux, ok = self._program(mode)(
+        lands, starts = self._overlap_events() if isinstance(mode, int) else (False, 0)
+        if self._overlap is not None:  # the mean in flight, once it is ready
+            opt_state = self._overlap.land(opt_state, wait=lands)
+        program = self._program(mode, defer=self._overlap is not None)
+        params, model_state, opt_state, loss, aux, ok, deferred = program(
             params, model_state, opt_state, batch
         )
+        if starts:
+            self._overlap.start(deferred, starts)  # type: ignore[union-attr]
         self._outputs = _Identity(params, model_state, opt_state)
         if isinstance(mode, int):
             self._position += 1

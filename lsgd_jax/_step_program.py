@@ -113,6 +113,7 @@ class StepSpec:
     with_model_state: bool
     donate: bool
     lowering: str = "shard_map"
+    defer: bool = False  # delayed means taken by another program (see DataParallelStep)
 
     def gradients(self, params: Any, model_state: Any, batch: Any) -> tuple:
         """``(loss, aux, grads, new model state)`` of this replica's loss."""
@@ -137,7 +138,7 @@ class StepSpec:
             with jax.named_scope("ddp"):
                 grads = _collectives.mean(grads, self.axes)
         if phase is not None:
-            opt_state = _phase.pin(opt_state, phase)
+            opt_state = _phase.pin(opt_state, phase, defer=self.defer)
         updates, new_opt_state = self.tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         if self.with_model_state:
@@ -185,10 +186,12 @@ def _replica_body(spec: StepSpec, mode: int | str, work: Callable[..., tuple]) -
         operands = (params, model_state, opt_state, *rest)
         n = _phase.num_phases(opt_state)
         ok = jnp.ones([], bool)
+        deferred = None
         if isinstance(mode, int):
             *new, loss, aux = work(operands, mode)
             ok = _phase.phase_index(opt_state) == mode
             out = _outer.select(ok, tuple(new), (params, model_state, opt_state))
+            deferred = _deferred_start(spec, opt_state, out[2], mode)
         elif mode == "switch" and 1 < n <= MAX_PHASES:
             *out, loss, aux = _switch_over_phases(work, operands, axes)
         else:
@@ -196,9 +199,25 @@ def _replica_body(spec: StepSpec, mode: int | str, work: Callable[..., tuple]) -
         out = jax.tree.map(lambda x: x[None], tuple(out))
         with jax.named_scope("metrics"):
             loss, aux = lax.pmean(loss, spec.axes), _metrics_mean(aux, spec.axes)
-        return (*out, loss, aux, _collectives.cast_varying(ok, axes)[None])
+        deferred = jax.tree.map(lambda x: x[None], deferred)
+        return (*out, loss, aux, _collectives.cast_varying(ok, axes)[None], deferred)
 
     return body
+
+
+def _deferred_start(spec: StepSpec, opt_state: Any, new_opt_state: Any, mode: int) -> Any:
+    """With ``spec.defer``, on a phase where the delayed averager starts an average: its
+    new state (what the other program takes the mean from), as an output of its own;
+    else None."""
+    if not spec.defer:
+        return None
+    states = _phase.branching_states(opt_state)
+    for state, digit, new in zip(
+        states, _phase.digits(opt_state, mode), _phase.branching_states(new_opt_state)
+    ):
+        if isinstance(state, ModelAveragerState) and _phase.delayed_start(state, digit):
+            return new
+    return None
 
 
 def program(spec: StepSpec, mode: int | str) -> Any:
@@ -219,7 +238,7 @@ def program(spec: StepSpec, mode: int | str) -> Any:
             _replica_body(spec, mode, spec.whole_step),
             mesh=spec.mesh,
             in_specs=(rep, rep, rep, rep),
-            out_specs=(rep, rep, rep, P(), P(), rep),
+            out_specs=(rep, rep, rep, P(), P(), rep, rep),
             **kwargs,
         )
         return jax.jit(mapped, donate_argnums=donate)
@@ -234,7 +253,7 @@ def program(spec: StepSpec, mode: int | str) -> Any:
         _replica_body(spec, mode, update),
         mesh=spec.mesh,
         in_specs=(rep,) * 6,
-        out_specs=(rep, rep, rep, P(), P(), rep),
+        out_specs=(rep, rep, rep, P(), P(), rep, rep),
         **kwargs,
     )
 

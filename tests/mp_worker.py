@@ -44,14 +44,19 @@ CFG = {
 
 
 def make_tx():
+    """The run's optimizer; ``LSGD_TEST_DELAY=tau`` in the environment delays its averages
+    (their means then go in a background program: data_parallel_step's overlap)."""
     import optax
 
     import lsgd_jax
 
+    delay = int(os.environ.get("LSGD_TEST_DELAY", "0"))
     return optax.chain(
         lsgd_jax.post_local_sgd(CFG["start"]),
         optax.sgd(CFG["lr"], momentum=CFG["momentum"]),
-        lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(CFG["period"], CFG["start"])),
+        lsgd_jax.model_averaging(
+            lsgd_jax.PeriodicModelAverager(CFG["period"], CFG["start"], delay=delay)
+        ),
     )
 
 

@@ -182,3 +182,17 @@ def test_a_node_is_inside_one_process_or_made_of_whole_processes():
     _check_node_rows(grid([0, 1, 2, 3], 2))  # one process per device, two per node
     with pytest.raises(ValueError, match=r"only some of the devices of process\(es\) \[1\]"):
         _check_node_rows(grid([0, 0, 1, 1, 1, 1], 3))
+
+
+def test_delayed_averages_across_processes_match_one_process(tmp_path, monkeypatch):
+    # Several processes take a delayed mean inside the step (a background program over
+    # the same devices deadlocks across processes here); one process takes it in the
+    # background: the same numbers.
+    monkeypatch.setenv("LSGD_TEST_DELAY", "2")
+    run_workers("train", tmp_path, tmp_path / "ckpt")
+    traj = [load(tmp_path / f"traj_p{p}.npz") for p in range(2)]
+    for k in traj[0]:
+        np.testing.assert_array_equal(traj[0][k], traj[1][k])
+    single = single_process_trajectory()
+    diff = max(float(np.max(np.abs(traj[0][k] - single[k]))) for k in single)
+    assert diff <= 1e-5, diff
