@@ -38,7 +38,15 @@ _FIELDS = ("inflight_mean", "inflight_level", "anchor", "outer_state", "outer_co
 
 
 def reordered(mesh: Mesh, axes: tuple[str, ...]) -> Mesh:
-    """``mesh`` with its devices in reverse order along ``axes`` (same axis names)."""
+    """``mesh`` with its devices in reverse order along ``axes`` (same axis names).
+
+    Example:
+      >>> import lsgd_jax
+      >>> from lsgd_jax._overlap import reordered
+      >>> mesh = lsgd_jax.make_mesh(2, 2)
+      >>> [d.id for d in reordered(mesh, ("node", "local")).devices.flat]
+      [3, 2, 1, 0]
+    """
     devices = mesh.devices
     for a in axes:
         devices = np.flip(devices, axis=mesh.axis_names.index(a))

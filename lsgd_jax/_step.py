@@ -317,8 +317,9 @@ class DataParallelStep:
       jitted: the step as ONE ``jax.jit`` function (every phase in it, under one
         ``lax.switch``, or with the transforms' conds when ``specialize=False``), with
         the signature ``(params, model_state, opt_state, batch) -> (params,
-        model_state, opt_state, loss, aux, ok, deferred)`` (``model_state``, ``aux`` and
-        ``deferred`` None where unused): what reports and exports read. Calls use one program per phase.
+        model_state, opt_state, loss, aux, ok, deferred)`` (``model_state``, ``aux``
+        and ``deferred`` None where unused): what reports and exports read. Calls use
+        one program per phase.
       with_model_state: whether the step takes and returns model state.
       has_aux: whether the step returns ``aux``.
     """
