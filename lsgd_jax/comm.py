@@ -15,6 +15,9 @@ them.
   float32 (an all-to-all and an all-gather: half the bytes of a float32 all-reduce).
 - :func:`two_level`: a global mean as reduce-scatter inside the node, all-reduce across
   nodes, all-gather inside the node: each value crosses the slow link about once.
+- :func:`quantized`: the values travel as 8- or 4-bit integers with per-block scales
+  (about a quarter or an eighth of the float32 bytes), with error feedback: what
+  rounding dropped is kept per replica and sent with the next mean.
 
 Every strategy keeps each leaf's dtype and varying-axes type (so a mean can sit in one
 branch of a ``lax.cond``), averages floating and complex leaves only, and sums narrow
@@ -42,7 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lsgd_jax import _collectives, _validate, _wire
+from lsgd_jax import _collectives, _quantize, _validate, _wire
 from lsgd_jax._collectives import Group
 
 logger = logging.getLogger("lsgd_jax")
@@ -256,6 +259,64 @@ class TwoLevel(Communication):
         del tree
 
 
+@dataclasses.dataclass(frozen=True)
+class Quantized(Communication):
+    """A mean sent as small integers with per-block scales. See :func:`quantized`.
+
+    Attributes:
+      bits: 8 or 4, the width of each value on the wire.
+      block_size: values per float32 scale.
+      error_feedback: keep each replica's rounding error and send it with the next mean.
+      two_level: over a group that spans nodes, reduce in float32 inside the node first,
+        so only the node's shard travels (quantized) across nodes.
+      inner_axis: the mesh axis of one node's devices (for ``two_level``).
+    """
+
+    bits: int = 8
+    block_size: int = 64
+    error_feedback: bool = True
+    two_level: bool = False
+    inner_axis: str = "local"
+
+    def __post_init__(self) -> None:
+        bits, block = _quantize.check_bits_and_block(self.bits, self.block_size)
+        object.__setattr__(self, "bits", bits)
+        object.__setattr__(self, "block_size", block)
+        for flag in ("error_feedback", "two_level"):
+            value = _validate.boolean(getattr(self, flag), f"quantized: {flag}")
+            object.__setattr__(self, flag, value)
+        if not isinstance(self.inner_axis, str):
+            raise TypeError(
+                f"quantized: inner_axis must be a mesh axis name, got {self.inner_axis!r}."
+            )
+
+    def mean(self, tree, group, state=None, *, cast=True, step=None) -> Mean:
+        del step
+        value, state = _quantize.quantized_mean(
+            tree,
+            group,
+            state,
+            bits=self.bits,
+            block_size=self.block_size,
+            two_level_inner=self.inner_axis if self.two_level else None,
+            cast=cast,
+        )
+        return Mean(value, None, state)
+
+    def init(self, tree: Any) -> Any:
+        """Zeros shaped like ``tree`` (the residual), or None without error feedback."""
+        if not self.error_feedback:
+            return None
+        if tree is None:
+            raise ValueError(
+                "quantized(error_feedback=True) keeps a residual shaped like the params on "
+                "every replica, so its state needs them: create the averager's state with "
+                "averager.init(params) (or model_averaging(averager).init(params)), or use "
+                "quantized(error_feedback=False)."
+            )
+        return _quantize.zeros_state(tree)
+
+
 def flat() -> Flat:
     """Today's default: one all-reduce of all floating leaves, divided by the group size.
 
@@ -350,16 +411,104 @@ def compressed(dtype: Any = jnp.bfloat16) -> Compressed:
     return Compressed(dtype)
 
 
+def quantized(
+    bits: int = 8,
+    block_size: int = 64,
+    error_feedback: bool = True,
+    two_level: bool = False,
+    inner_axis: str = "local",
+) -> Quantized:
+    """A mean sent as ``bits``-bit integers with one float32 scale per block.
+
+    The floating leaves are flattened into one float32 buffer (with error feedback, plus
+    this replica's residual) and cut into blocks of ``block_size`` values; a block ``x``
+    travels as ``q = round(x / s)``, ``s = max|x| / qmax`` (``qmax`` 127 for 8 bits, 7
+    for 4 bits), so each value is within ``s / 2``. Like :func:`compressed`, the mean is
+    an ``all_to_all`` (each replica receives its chunk from every peer, dequantizes and
+    sums it in float32; its own chunk it keeps exact) and an ``all_gather`` of the chunk
+    means, quantized again; every replica decodes the same bytes, so all end bitwise
+    identical. The error of one mean is at most the average over the replicas of ``s /
+    2`` of their blocks plus ``s / 2`` of the mean's block.
+
+    Wire bytes per value: ``bits / 8 + 4 / block_size`` (1.0625 for int8, 0.5625 for
+    4 bits, with blocks of 64) in each of the two collectives, so about ``2 (g - 1) / g x
+    (bits / 8 + 4 / block_size)`` per value and device for a group of ``g``, against
+    ``2 (g - 1) / g x 4`` for a float32 ring all-reduce: 0.27x (int8) and 0.14x (4-bit).
+
+    Error feedback (Seide et al., 2014; Karimireddy et al., 2019): each replica keeps
+    what its rounding dropped (its stage-1 error on the chunks it sent, and ``g`` times
+    the stage-2 error of the chunk mean it computed, as in the worker and server errors
+    of 1-bit Adam's compressed all-reduce) and adds it to its values before the next
+    mean. The means then telescope: over many averages, the total differs from the exact
+    one by one residual, instead of a sum of roundings that grows with the number of
+    averages (and that, with updates smaller than half a step of the grid, loses them
+    entirely). The residual is the strategy's state: an averager keeps it params-shaped
+    in ``ModelAveragerState.comm_state`` (created by ``averager.init(params)``, cut like
+    the params for fragments, checkpointed with the rest). The hook keeps no such state;
+    use ``error_feedback=False`` there.
+
+    ``two_level=True``: over a group that holds ``inner_axis`` and more axes, a float32
+    reduce-scatter inside the node (exact and node-local), the quantized mean across
+    nodes of this device's shard of the node's sum (the only traffic that crosses nodes:
+    ``1 / size(inner_axis)`` of the buffer, as integers), a float32 all-gather inside
+    the node. The residual is then this device's shard's: zero elsewhere. A group
+    without ``inner_axis`` (a node-local level) takes the one-level path. An
+    :class:`~lsgd_jax.IndexGroups` group (``pmap``) uses the one-level path with
+    ``axis_index_groups``.
+
+    NaN and Inf propagate: a non-finite value makes its block's scale NaN, so that block
+    of the mean is NaN on every replica (use :func:`finite_only` to leave a diverged
+    replica out instead). The residual stays finite.
+
+    Args:
+      bits: 8 (int8) or 4 (two values per byte).
+      block_size: values per scale, a positive int (even for 4 bits). Smaller blocks
+        follow the values' magnitudes more closely and cost ``4 / block_size`` bytes per
+        value.
+      error_feedback: keep the residual (needs ``averager.init(params)``).
+      two_level: reduce inside the node in float32 first; quantize only across nodes.
+      inner_axis: the mesh axis of one node's devices (``"local"`` in :func:`make_mesh`).
+
+    Returns:
+      A :class:`Communication`.
+
+    Example:
+      >>> import jax.numpy as jnp, lsgd_jax
+      >>> avg = lsgd_jax.PeriodicModelAverager(
+      ...     8, communication=lsgd_jax.comm.quantized(bits=4, two_level=True))
+      >>> state = avg.init({"w": jnp.ones(3)})
+      >>> state.comm_state
+      {'w': Array([0., 0., 0.], dtype=float32)}
+
+    References:
+      Seide, Fu, Droppo, Li, Yu, "1-Bit Stochastic Gradient Descent and its Application
+      to Data-Parallel Distributed Training of Speech DNNs", Interspeech 2014.
+      Karimireddy, Rebjock, Stich, Jaggi, "Error Feedback Fixes SignSGD and other
+      Gradient Compression Schemes", ICML 2019, https://arxiv.org/abs/1901.09847.
+      Tang, Gan, Awan, Rajbhandari, Li, Lian, Liu, Zhang, He, "1-bit Adam: Communication
+      Efficient Large-Scale Training with Adam's Convergence Speed", ICML 2021,
+      https://arxiv.org/abs/2102.02888.
+      Jaghouar et al., "INTELLECT-1 Technical Report", 2024 (int8 all-reduce of the
+      outer pseudo-gradients), https://arxiv.org/abs/2412.01152.
+      Douillard et al., "Streaming DiLoCo with overlapping communication: Towards a
+      Distributed Free Lunch", 2025 (4-bit outer gradients),
+      https://arxiv.org/abs/2501.18512.
+    """
+    return Quantized(bits, block_size, error_feedback, two_level, inner_axis)
+
+
 __all__ = [
     "Communication",
     "Compressed",
     "FiniteOnly",
     "Flat",
     "Mean",
+    "Quantized",
     "TwoLevel",
     "apply",
     "compressed",
     "finite_only",
     "flat",
+    "quantized",
     "two_level",
 ]

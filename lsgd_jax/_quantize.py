@@ -1,0 +1,451 @@
+"""A mean sent as small integers with per-block scales, and the error feedback it keeps.
+
+The floating leaves go into one flat float32 buffer (``_wire.pack``), cut into blocks of
+``block_size`` values. A block travels as ``q = round(x / s)`` in ``[-qmax, qmax]`` with
+``s = max|x| / qmax`` (``qmax`` 127 for 8 bits, 7 for 4 bits, two values per byte), so
+each value is off by at most ``s / 2``. The mean is two exchanges of integers:
+
+1. the buffer is split into one chunk per replica; an ``all_to_all`` hands each replica
+   its chunk from every peer (its own chunk it keeps in float32, it never travels); it
+   dequantizes, sums in float32 and divides: its chunk of the mean;
+2. it quantizes that chunk mean again and an ``all_gather`` of those integers returns the
+   whole mean, identical on every replica (everyone dequantizes the same bytes).
+
+Error feedback keeps what rounding dropped and sends it next time: a replica's residual
+holds its stage-1 rounding error on the chunks it sent, and ``n`` times the stage-2
+rounding error of the chunk mean it owns (its own chunk, which enters the next mean with
+weight ``1 / n``). The sum of the means over many calls then equals the exact sum up to
+one residual, whatever the rounding (see :func:`quantized_mean`).
+
+A NaN or Inf makes the scale of its block NaN, so that whole block of the mean is NaN on
+every replica (the non-finite values propagate, as with a plain all-reduce, a block wide);
+the residual stays finite (0 where the values were not).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from lsgd_jax import _collectives, _validate, _wire
+from lsgd_jax._collectives import Group, IndexGroups
+
+QMAX = {8: 127, 4: 7}
+
+
+def check_bits_and_block(bits: Any, block_size: Any) -> tuple[int, int]:
+    """``(bits, block_size)`` as ints, or a clear error.
+
+    Args:
+      bits: 8 or 4.
+      block_size: a positive int, even for 4 bits.
+
+    Returns:
+      ``(bits, block_size)``.
+
+    Example:
+      >>> from lsgd_jax import _quantize
+      >>> _quantize.check_bits_and_block(4, 3)
+      Traceback (most recent call last):
+      ...
+      ValueError: quantized: with bits=4 two values share a byte, so block_size must be even, ...
+    """
+    if (
+        isinstance(bits, (bool, np.bool_))
+        or not isinstance(bits, (int, np.integer))
+        or int(bits) not in QMAX
+    ):
+        raise ValueError(
+            f"quantized: bits must be 8 or 4, got {bits!r}; use bits=8 (int8) or bits=4 "
+            "(two values per byte)."
+        )
+    block = _validate.positive_int(block_size, "quantized: block_size")
+    if bits == 4 and block % 2:
+        raise ValueError(
+            f"quantized: with bits=4 two values share a byte, so block_size must be even, "
+            f"got {block}; e.g. block_size={block + 1}."
+        )
+    return int(bits), block
+
+
+def quantize(x: jax.Array, bits: int, block_size: int) -> tuple[jax.Array, jax.Array]:
+    """Per-block absmax quantization of ``x`` (last axis a multiple of ``block_size``).
+
+    Args:
+      x: float32 values, shape ``(..., m * block_size)``.
+      bits: 8 or 4.
+      block_size: values per scale.
+
+    Returns:
+      ``(q, scale)``: ``q`` int8 in ``[-qmax, qmax]`` shaped like ``x``, ``scale`` float32
+      of shape ``(..., m)``; ``q * scale`` is within ``scale / 2`` of ``x``. A zero block
+      gets scale 1; a block with a NaN or Inf gets scale NaN.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from lsgd_jax import _quantize
+      >>> q, s = _quantize.quantize(jnp.array([0.5, -1.0, 0.0, 0.0]), 8, 2)
+      >>> q.tolist(), s.tolist()
+      ([64, -127, 0, 0], [0.007874015718698502, 1.0])
+    """
+    qmax = QMAX[bits]
+    blocks = x.reshape(*x.shape[:-1], -1, block_size)
+    amax = jnp.max(jnp.abs(blocks), axis=-1)
+    scale = amax / qmax
+    scale = jnp.where(scale == 0, jnp.float32(1), scale)
+    scale = jnp.where(jnp.isfinite(scale), scale, jnp.float32(jnp.nan))
+    q = jnp.clip(jnp.round(blocks / scale[..., None]), -qmax, qmax)
+    q = jnp.where(jnp.isnan(q), 0, q).astype(jnp.int8)
+    return q.reshape(x.shape), scale
+
+
+def dequantize(q: jax.Array, scale: jax.Array, block_size: int) -> jax.Array:
+    """``q * scale`` block by block, in float32.
+
+    Args:
+      q: integers, shape ``(..., m * block_size)``.
+      scale: float32, shape ``(..., m)``.
+      block_size: values per scale.
+
+    Returns:
+      float32 values shaped like ``q``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from lsgd_jax import _quantize
+      >>> _quantize.dequantize(jnp.array([2, -1], jnp.int8), jnp.array([0.5]), 2).tolist()
+      [1.0, -0.5]
+    """
+    blocks = q.astype(jnp.float32).reshape(*q.shape[:-1], -1, block_size)
+    return (blocks * scale[..., None]).reshape(q.shape)
+
+
+def pack_nibbles(q: jax.Array) -> jax.Array:
+    """Two 4-bit integers (in ``[-8, 7]``) per byte: ``q[..., 2i]`` low, ``q[..., 2i+1]`` high.
+
+    Args:
+      q: int8, last axis even.
+
+    Returns:
+      uint8, half as long on the last axis.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from lsgd_jax import _quantize
+      >>> b = _quantize.pack_nibbles(jnp.array([-7, 7, 1, -1], jnp.int8))
+      >>> b.tolist(), _quantize.unpack_nibbles(b).tolist()
+      ([121, 241], [-7, 7, 1, -1])
+    """
+    u = lax.bitcast_convert_type(q, jnp.uint8) & jnp.uint8(0x0F)
+    return u[..., 0::2] | (u[..., 1::2] << jnp.uint8(4))
+
+
+def unpack_nibbles(b: jax.Array) -> jax.Array:
+    """The inverse of :func:`pack_nibbles`: int8, twice as long on the last axis.
+
+    Args:
+      b: uint8 bytes from :func:`pack_nibbles`.
+
+    Returns:
+      int8 values in ``[-8, 7]``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from lsgd_jax import _quantize
+      >>> _quantize.unpack_nibbles(jnp.array([0xF8], jnp.uint8)).tolist()
+      [-8, -1]
+    """
+    nibbles = jnp.stack([b & jnp.uint8(0x0F), b >> jnp.uint8(4)], axis=-1).astype(jnp.int8)
+    nibbles = jnp.where(nibbles > 7, nibbles - 16, nibbles).astype(jnp.int8)
+    return nibbles.reshape(*b.shape[:-1], 2 * b.shape[-1])
+
+
+def encode(rows: jax.Array, bits: int, block_size: int) -> tuple[jax.Array, jax.Array]:
+    """Each row of ``rows`` as the bytes that travel: its integers, then its scales.
+
+    A row of ``c`` values becomes ``c`` bytes (8 bits) or ``c / 2`` (4 bits), followed by
+    4 bytes (a float32 scale) per block: one buffer, one collective.
+
+    Args:
+      rows: float32, shape ``(r, c)`` with ``c`` a multiple of ``block_size``.
+      bits: 8 or 4.
+      block_size: values per scale.
+
+    Returns:
+      ``(wire, values)``: uint8 bytes of shape ``(r, row_bytes)``, and the float32 values
+      the receivers will decode from them.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from lsgd_jax import _quantize
+      >>> wire, values = _quantize.encode(jnp.array([[1.0, -2.0, 0.0, 3.5]]), 4, 4)
+      >>> wire.shape, values.tolist()  # 2 bytes of integers, 4 of the scale 0.5
+      ((1, 6), [[1.0, -2.0, 0.0, 3.5]])
+    """
+    q, scale = quantize(rows, bits, block_size)
+    ints = pack_nibbles(q) if bits == 4 else lax.bitcast_convert_type(q, jnp.uint8)
+    scale_bytes = lax.bitcast_convert_type(scale, jnp.uint8).reshape(rows.shape[0], -1)
+    return jnp.concatenate([ints, scale_bytes], axis=1), dequantize(q, scale, block_size)
+
+
+def decode(wire: jax.Array, bits: int, block_size: int, length: int) -> jax.Array:
+    """The float32 values of bytes from :func:`encode`.
+
+    Args:
+      wire: uint8, shape ``(r, row_bytes)``.
+      bits: 8 or 4.
+      block_size: values per scale.
+      length: values per row.
+
+    Returns:
+      float32, shape ``(r, length)``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from lsgd_jax import _quantize
+      >>> wire, _ = _quantize.encode(jnp.array([[0.3, -0.5]]), 8, 2)
+      >>> [round(v, 4) for v in _quantize.decode(wire, 8, 2, 2)[0].tolist()]
+      [0.2992, -0.5]
+    """
+    n_int = length // 2 if bits == 4 else length
+    ints, scale_bytes = wire[:, :n_int], wire[:, n_int:]
+    q = unpack_nibbles(ints) if bits == 4 else lax.bitcast_convert_type(ints, jnp.int8)
+    scale = lax.bitcast_convert_type(scale_bytes.reshape(wire.shape[0], -1, 4), jnp.float32)
+    return dequantize(q, scale, block_size)
+
+
+def wire_bytes_per_value(bits: int, block_size: int) -> float:
+    """Bytes on the wire per value: the integer and its share of a float32 scale.
+
+    Args:
+      bits: 8 or 4.
+      block_size: values per scale.
+
+    Returns:
+      ``bits / 8 + 4 / block_size``.
+
+    Example:
+      >>> from lsgd_jax import _quantize
+      >>> _quantize.wire_bytes_per_value(8, 64), _quantize.wire_bytes_per_value(4, 64)
+      (1.0625, 0.5625)
+    """
+    return bits / 8 + 4 / block_size
+
+
+def position(group: Group) -> jax.Array:
+    """This replica's index inside its group: the chunk an ``all_to_all`` hands it.
+
+    Args:
+      group: a resolved group (mesh axes, or an IndexGroups) where it is bound.
+
+    Returns:
+      An int32 scalar.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, lsgd_jax
+      >>> from lsgd_jax import _quantize
+      >>> g = lsgd_jax.IndexGroups("i", [[0, 2], [1, 3]])
+      >>> jax.pmap(lambda x: _quantize.position(g), axis_name="i", devices=jax.devices()[:4])(
+      ...     jnp.zeros(4)).tolist()
+      [0, 0, 1, 1]
+    """
+    if isinstance(group, IndexGroups):
+        table = np.zeros(sum(len(g) for g in group.groups), np.int32)
+        for g in group.groups:
+            for k, i in enumerate(g):
+                table[i] = k
+        return jnp.asarray(table)[lax.axis_index(group.axis_name)]
+    return lax.axis_index(group)
+
+
+def one_level(
+    x: jax.Array, group: Group, bits: int, block_size: int
+) -> tuple[jax.Array, jax.Array]:
+    """The quantized mean of a flat buffer over ``group``, and this replica's residual.
+
+    Args:
+      x: float32, length a multiple of ``group size * block_size``.
+      group: a resolved group.
+      bits: 8 or 4.
+      block_size: values per scale.
+
+    Returns:
+      ``(mean, residual)``, both shaped like ``x``: the mean (identical on every replica
+      of the group) and what this replica's rounding dropped (stage-1 error on the chunks
+      it sent; ``n`` times the stage-2 error on the chunk it owns).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, lsgd_jax
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from lsgd_jax import _quantize
+      >>> mesh = lsgd_jax.make_mesh(1, 2)
+      >>> f = jax.jit(jax.shard_map(lambda x: _quantize.one_level(x, ("local",), 8, 2)[0],
+      ...     mesh=mesh, in_specs=P(("node", "local")), out_specs=P(("node", "local"))))
+      >>> [round(v, 4) for v in f(jnp.array([1.0, 2, 3, 4, 3, 2, 1, 0])).tolist()]
+      [2.0039, 2.0039, 2.0, 2.0, 2.0039, 2.0039, 2.0, 2.0]
+    """
+    axis, kwargs = _wire.axis_and_kwargs(group)
+    n = _collectives.group_size(group)
+    pos = position(group)
+    rows = x.reshape(n, -1)
+    length = rows.shape[1]
+    wire, sent = encode(rows, bits, block_size)
+    received = decode(lax.all_to_all(wire, axis, 0, 0, **kwargs), bits, block_size, length)
+    own = (jnp.arange(n) == pos)[:, None]
+    own_rows = lax.dynamic_index_in_dim(rows, pos, 0, keepdims=True)
+    chunk_mean = jnp.where(own, own_rows, received).sum(axis=0) / n  # own chunk exact
+    wire2, sent2 = encode(chunk_mean[None], bits, block_size)
+    gathered = _collectives.all_gather_tiled(wire2[0], axis, kwargs).reshape(n, -1)
+    mean = decode(gathered, bits, block_size, length).reshape(-1)
+    residual = jnp.where(own, n * (chunk_mean - sent2[0])[None], rows - sent)
+    residual = jnp.where(jnp.isfinite(residual), residual, 0.0)
+    return mean, residual.reshape(-1)
+
+
+def two_level(
+    x: jax.Array, inner: str, outer: tuple[Any, ...], bits: int, block_size: int
+) -> tuple[jax.Array, jax.Array]:
+    """The quantized mean over ``inner`` x ``outer``: only integers cross the outer axes.
+
+    Float32 reduce-scatter over ``inner`` (each device gets its node's sum of one shard),
+    :func:`one_level` over ``outer`` on that shard, float32 all-gather over ``inner``,
+    divided by the group size. The residual is zero outside this device's shard.
+
+    Args:
+      x: float32, length a multiple of ``size(inner) * size(outer) * block_size``.
+      inner: the node's mesh axis.
+      outer: the other mesh axes of the group.
+      bits: 8 or 4.
+      block_size: values per scale.
+
+    Returns:
+      ``(mean, residual)``, both shaped like ``x``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, lsgd_jax
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from lsgd_jax import _quantize
+      >>> mesh = lsgd_jax.make_mesh(2, 2)
+      >>> f = jax.jit(jax.shard_map(
+      ...     lambda x: _quantize.two_level(jnp.tile(x, 8), "local", ("node",), 8, 2)[0][:1],
+      ...     mesh=mesh, in_specs=P(("node", "local")), out_specs=P(("node", "local"))))
+      >>> f(jnp.array([0.0, 1.0, 2.0, 3.0])).tolist()
+      [1.5, 1.5, 1.5, 1.5]
+    """
+    k = lax.axis_size(inner)
+    shard = lax.psum_scatter(x, inner, scatter_dimension=0, tiled=True)
+    shard_mean, shard_residual = one_level(shard, outer, bits, block_size)
+    mean = _collectives.all_gather_tiled(shard_mean, inner, {}) / k
+    start = lax.axis_index(inner) * shard.shape[0]
+    residual = lax.dynamic_update_slice(jnp.zeros_like(x), shard_residual, (start,))
+    return mean, residual
+
+
+def quantized_mean(
+    tree: Any,
+    group: Group,
+    state: Any,
+    *,
+    bits: int,
+    block_size: int,
+    two_level_inner: str | None,
+    cast: bool = True,
+) -> tuple[Any, Any]:
+    """The mean of ``tree``'s floating leaves over ``group``, sent as integers.
+
+    With ``state`` (a residual tree of ``tree``'s structure and shapes) the residual is
+    added before quantizing and the new one returned: error feedback. Then, writing
+    ``x_t`` for the values and ``r_t`` for the residuals summed over the group, each mean
+    is ``mean_t = (x_t + r_t - r_{t+1}) / n``, so ``sum_t mean_t = sum_t x_t / n + (r_0 -
+    r_T) / n``: what rounding dropped in one call is sent in a later one, and a run of
+    averages drifts from the exact one by one residual at most.
+
+    Args:
+      tree: this replica's values.
+      group: a resolved group.
+      state: the residual (a tree like ``tree``), or None (no error feedback).
+      bits: 8 or 4.
+      block_size: values per scale.
+      two_level_inner: the node's mesh axis for the two-level path, or None.
+      cast: give each leaf back its own varying-axes type.
+
+    Returns:
+      ``(mean tree, new residual tree or None)``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, lsgd_jax
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from lsgd_jax import _quantize
+      >>> mesh = lsgd_jax.make_mesh(1, 2)
+      >>> f = jax.jit(jax.shard_map(lambda x: _quantize.quantized_mean(
+      ...     {"w": x}, ("local",), None, bits=8, block_size=4, two_level_inner=None)[0]["w"],
+      ...     mesh=mesh, in_specs=P(("node", "local")), out_specs=P(("node", "local"))))
+      >>> f(jnp.array([1.0, 3.0]))
+      Array([2., 2.], dtype=float32)
+    """
+    packed = _wire.pack(tree)
+    if not packed.picked:
+        return tree, state
+    x = packed.flat
+    residual_packed = None
+    if state is not None:
+        residual_packed = _wire.pack(state)
+        if residual_packed.size != packed.size:
+            raise ValueError(
+                f"quantized: the error-feedback state holds {residual_packed.size} values "
+                f"but the tree to average holds {packed.size}; create the state with "
+                "strategy.init(tree) for a tree of the same structure and shapes."
+            )
+        x = x + residual_packed.flat
+    split = None
+    if two_level_inner is not None:
+        split = _wire.split_two_level(group, two_level_inner)
+    if split is not None:
+        inner, outer = split
+        multiple = lax.axis_size(inner) * lax.axis_size(outer) * block_size
+    else:
+        multiple = _collectives.group_size(group) * block_size
+    x = jnp.pad(x, (0, (-packed.size) % multiple))
+    if split is not None:
+        mean, residual = two_level(x, inner, outer, bits, block_size)
+    else:
+        mean, residual = one_level(x, group, bits, block_size)
+    value = packed.unpack(mean[: packed.size], cast)
+    if residual_packed is None:
+        return value, None
+    return value, residual_packed.unpack(residual[: packed.size], cast=False)
+
+
+def zeros_state(tree: Any) -> Any:
+    """A zero residual for ``tree``: float32 for real floating leaves, complex64 for complex
+    ones, the leaf's own dtype (left out of the mean) for the others.
+
+    Args:
+      tree: values shaped like the ones to average (e.g. the params).
+
+    Returns:
+      A tree of zeros of ``tree``'s structure and shapes.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from lsgd_jax import _quantize
+      >>> z = _quantize.zeros_state({"w": jnp.ones(2, jnp.bfloat16), "n": jnp.int32(3)})
+      >>> z["w"].dtype, z["n"].dtype
+      (dtype('float32'), dtype('int32'))
+    """
+
+    def zero(x):
+        x = jnp.asarray(x)
+        if jnp.issubdtype(x.dtype, jnp.complexfloating):
+            dtype = jnp.complex64
+        elif jnp.issubdtype(x.dtype, jnp.floating):
+            dtype = jnp.float32
+        else:
+            dtype = x.dtype
+        return jnp.zeros(x.shape, dtype)
+
+    return jax.tree.map(zero, tree)
