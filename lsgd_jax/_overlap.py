@@ -108,6 +108,13 @@ class Overlap:
         out = self._program(level, state.averager)(on_mesh(state, self._other))
         return on_mesh(jax.block_until_ready(out), self._mesh)
 
+    @staticmethod
+    def events(state: ModelAveragerState, digit: int) -> tuple[bool, int]:
+        """For the averager ``state`` in phase ``digit``: whether its delayed average
+        lands, and the level of the one it starts (0: none)."""
+        lands = int(digit) > state.averager.num_levels
+        return lands, _phase.delayed_start(state, int(digit))
+
     def start(self, state: ModelAveragerState, level: int) -> None:
         """Takes the mean of the average ``state`` started (a state no step donates)."""
         if self._pending is not None:  # one in flight at a time (delay < period)

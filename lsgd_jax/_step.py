@@ -442,16 +442,6 @@ class DataParallelStep:
         overlap.start_from(opt_state)  # an average started before a checkpoint
         return overlap
 
-    def _overlap_events(self) -> tuple[bool, int]:
-        """Whether the delayed average lands at this call, and the level it starts (0)."""
-        overlap = self._overlap
-        if overlap is None:
-            return False, 0
-        state = self._snapshot[overlap.position]
-        digit = int(self._digits[overlap.position, self._position])
-        lands = digit > state.averager.num_levels
-        return lands, _phase.delayed_start(state, digit)
-
     def __call__(self, *args: Any) -> tuple[Any, ...]:
         params, model_state, opt_state, batch = self.jit_args(*args)
         every = self._check_in_sync_every
@@ -462,7 +452,10 @@ class DataParallelStep:
             self._check(params, model_state, opt_state)
         _check_batch(batch, _num_replicas(self._spec.mesh, self._spec.axes), self._spec.axes)
         mode = self._mode(opt_state)
-        lands, starts = self._overlap_events() if isinstance(mode, int) else (False, 0)
+        lands, starts = False, 0
+        if self._overlap is not None and isinstance(mode, int):
+            p = self._overlap.position
+            lands, starts = self._overlap.events(self._snapshot[p], self._digits[p, self._position])
         if self._overlap is not None:  # the mean in flight, once it is ready
             opt_state = self._overlap.land(opt_state, wait=lands)
         program = self._program(mode, defer=self._overlap is not None)
