@@ -21,10 +21,14 @@ with a ~2.4M-parameter MLP (``--sizes``) on a teacher-student regression:
 - the pieces: a step with no collectives but the 4-byte loss mean (compute), a step with
   a node-local gradient mean (compute + local all-reduce), and one all-reduce of the
   parameters over all replicas (global, across the link) and inside a node (local);
-- four training runs from the same initial model: DDP (``post_local_sgd`` with
-  ``start >= steps``: a global gradient mean every step), post-local SGD with H = 4 and
-  H = 16 (switching after ``--start`` steps), and a hierarchy (no gradient mean after the
-  switch; ``HierarchicalModelAverager({2: "local", 16: ("node", "local")})``);
+- training runs from the same initial model: DDP (``post_local_sgd`` with ``start >=
+  steps``: a global gradient mean every step), post-local SGD with H = 4 and H = 16
+  (switching after ``--start`` steps), a hierarchy (no gradient mean after the switch;
+  ``HierarchicalModelAverager({2: "local", 16: ("node", "local")})``), and the ways a
+  mean can travel: DDP and H = 16 with ``comm.two_level()``, H = 16 with int8 and 4-bit
+  ``comm.quantized(..., two_level=True)``, and 4-bit with ``delay=8`` (``--runs``
+  picks some by name);
+- the global mean of the parameters in each of those ways (time, veth bytes);
 - for each run: the step time, the time to reach ``--target`` training loss, and the
   bytes the veth carried (its own counters, read by the workers inside their namespaces).
 
@@ -151,9 +155,16 @@ def global_allreduces(config: dict, first: int, last: int) -> int:
 
 
 def predicted_step(compute: float, local: float, global_: float, config: dict) -> float:
-    """Seconds per step after the switch from the pieces: ``c + a_l l + a_g g``."""
+    """Seconds per step after the switch from the pieces: ``c + a_l l + a_g g``, with ``g``
+    the global mean of the run's own kind (see :func:`global_piece`)."""
     a_l, a_g = allreduces_per_step(config)
     return compute + a_l * local + a_g * global_
+
+
+def global_piece(config: dict) -> str:
+    """Which global mean a run's steps after the switch make: its gradient mean's kind
+    for DDP (every step), else its model average's."""
+    return hook_comm_of(config) if config["start"] is None else comm_of(config)
 
 
 def speedup_bound(compute: float, local: float, global_: float, config: dict) -> float:
@@ -201,16 +212,76 @@ def steps_to_target(losses: Sequence[float], target: float, window: int) -> int 
 
 
 def configs(start: int) -> list[dict]:
-    """The runs: DDP, post-local SGD with H = 4 and 16, and the hierarchy."""
+    """The runs: DDP, post-local SGD with H = 4 and 16, the hierarchy, and the ways a mean
+    can travel (``comm``: ``flat`` one all-reduce; ``two_level`` reduce-scatter in the
+    node, all-reduce across, all-gather in the node; ``int8`` / ``int4`` quantized
+    averages with error feedback, two-level; the hook's global gradient mean two-level
+    in all of those) and a delayed average (``delay``)."""
+    h16 = {16: "global"}
     return [
         {"name": "DDP", "start": None, "grad_allreduce": True, "levels": {}},
         {"name": "post-local SGD, H=4", "start": start, "grad_allreduce": True,
          "levels": {4: "global"}},
         {"name": "post-local SGD, H=16", "start": start, "grad_allreduce": True,
-         "levels": {16: "global"}},
+         "levels": h16},
         {"name": "hierarchy 2: local, 16: global, no grad all-reduce", "start": start,
          "grad_allreduce": False, "levels": {2: "local", 16: "global"}},
+        {"name": "DDP, two-level", "start": None, "grad_allreduce": True, "levels": {},
+         "comm": "two_level"},
+        {"name": "H=16, two-level", "start": start, "grad_allreduce": True, "levels": h16,
+         "comm": "two_level"},
+        {"name": "H=16, int8 two-level", "start": start, "grad_allreduce": True,
+         "levels": h16, "comm": "int8"},
+        {"name": "H=16, 4-bit two-level", "start": start, "grad_allreduce": True,
+         "levels": h16, "comm": "int4"},
+        {"name": "H=16, 4-bit two-level, delay 8", "start": start, "grad_allreduce": True,
+         "levels": h16, "comm": "int4", "delay": 8},
     ]  # fmt: skip
+
+
+COMMS = ("flat", "two_level", "int8", "int4")
+
+
+def chosen_configs(args) -> list[dict]:
+    """The runs ``--runs`` names (substrings, comma-separated), DDP always first (the
+    speedups are against it); all runs without ``--runs``."""
+    runs = configs(args.start)
+    if not getattr(args, "runs", None):
+        return runs
+    wanted = [w.strip() for w in args.runs.split(",") if w.strip()]
+    return [runs[0]] + [c for c in runs[1:] if any(w in c["name"] for w in wanted)]
+
+
+def comm_of(config: dict) -> str:
+    """How the run's model averages travel (see :func:`configs`)."""
+    return config.get("comm", "flat")
+
+
+def hook_comm_of(config: dict) -> str:
+    """How the run's global gradient means travel: two-level unless the run is flat."""
+    return "flat" if comm_of(config) == "flat" else "two_level"
+
+
+def strategy(name: str) -> Any:
+    """The lsgd_jax.comm strategy of a ``comm`` name (None: the default all-reduce)."""
+    from lsgd_jax import comm
+
+    return {
+        "flat": None,
+        "two_level": comm.two_level(),
+        "int8": comm.quantized(8, two_level=True),
+        "int4": comm.quantized(4, two_level=True),
+    }[name]
+
+
+def global_events(config: dict, first: int, last: int) -> tuple[int, int]:
+    """``(gradient means, model averages)`` over the link in steps ``first .. last - 1``."""
+    grads = avgs = 0
+    for s in range(first, last):
+        grad, average = schedule(config, s)
+        grads += grad == "global"
+        avgs += average == "global"
+    return grads, avgs
 
 
 # ----------------------------------------------------------------------------- the link
@@ -408,20 +479,18 @@ def worker(args) -> None:
             lsgd_jax.post_local_sgd(  # DDP: a switch after the run (start >= steps)
                 cfg["start"] if cfg["start"] is not None else args.steps,
                 post_local_gradient_allreduce=cfg["grad_allreduce"],
+                communication=strategy(hook_comm_of(cfg)),
             ),
             optax.sgd(args.lr, momentum=0.9),
         ]
+        options = {"communication": strategy(comm_of(cfg)), "delay": cfg.get("delay", 0)}
         if len(levels) == 1:
             ((period, _),) = levels.items()
-            parts.append(
-                lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(period, cfg["start"]))
-            )
+            averager = lsgd_jax.PeriodicModelAverager(period, cfg["start"], **options)
+            parts.append(lsgd_jax.model_averaging(averager))
         elif levels:
-            parts.append(
-                lsgd_jax.model_averaging(
-                    lsgd_jax.HierarchicalModelAverager(levels, warmup_steps=cfg["start"])
-                )
-            )
+            averager = lsgd_jax.HierarchicalModelAverager(levels, cfg["start"], **options)
+            parts.append(lsgd_jax.model_averaging(averager))
         return optax.chain(*parts)
 
     def fresh(tx):
@@ -445,12 +514,15 @@ def worker(args) -> None:
 
     replicated = lsgd_jax.replicate(params0, mesh)
 
-    def timed_allreduce(group, n):
-        mean = jax.jit(
-            jax.shard_map(
-                lambda x: lax.pmean(x, group), mesh=mesh, in_specs=P(axes), out_specs=P(axes)
-            )
-        )
+    def timed_allreduce(group, n, kind="flat"):
+        how = strategy(kind) or lsgd_jax.comm.flat()
+
+        def one(x):
+            if kind == "flat":
+                return lax.pmean(x, group)
+            return lsgd_jax.comm.apply(how, x[0], group).value[None]
+
+        mean = jax.jit(jax.shard_map(one, mesh=mesh, in_specs=P(axes), out_specs=P(axes)))
         jax.block_until_ready(mean(replicated))  # compile, connect
         times, b0 = [], tx_bytes()
         for _ in range(n):
@@ -468,7 +540,7 @@ def worker(args) -> None:
         name: (tx, lsgd_jax.data_parallel_step(loss_fn, tx, mesh))
         for name, tx in (("compute", no_comm), ("local", local_only))
     }
-    runs = configs(args.start)
+    runs = chosen_configs(args)
     steppers = {}
     for cfg in runs:  # compile every run's step once, on a throwaway state
         tx = make_tx(cfg)
@@ -481,10 +553,15 @@ def worker(args) -> None:
     for rep in range(args.reps):
         g_times, g_bytes = timed_allreduce(tuple(axes), args.piece_reps)
         l_times, l_bytes = timed_allreduce("local", args.piece_reps)
+        kinds = {}
+        for kind in COMMS[1:]:
+            k_times, k_bytes = timed_allreduce(tuple(axes), args.piece_reps, kind)
+            kinds[kind] = {"s": k_times, "tx": k_bytes}
         piece = {
             "rep": rep,
             "global_allreduce_s": g_times,
             "global_allreduce_tx": g_bytes,
+            "global_kinds": kinds,
             "local_allreduce_s": l_times,
             "local_allreduce_tx": l_bytes,
             "compute_step_s": timed_steps(*piece_steps["compute"], args.piece_steps),
@@ -586,11 +663,18 @@ def summarize(rate: str, workers: list[dict], args) -> dict:
     l_alone = med([t for p in pieces for t in p["local_allreduce_s"]])
     g_bytes = sum(med([p["global_allreduce_tx"] for p in w["pieces"]]) for w in workers)
     l_bytes = sum(med([p["local_allreduce_tx"] for p in w["pieces"]]) for w in workers)
+    # each kind of global mean: (seconds, veth bytes of both ends)
+    means = {"flat": (g, g_bytes)}
+    for kind in COMMS[1:]:
+        means[kind] = (
+            med([t for p in pieces for t in p["global_kinds"][kind]["s"]]),
+            sum(med([p["global_kinds"][kind]["tx"] for p in w["pieces"]]) for w in workers),
+        )
     rows = []
     by_name: dict[str, list[int]] = {}
     for k, r in enumerate(w0["runs"]):
         by_name.setdefault(r["name"], []).append(k)
-    for cfg in configs(args.start):
+    for cfg in chosen_configs(args):
         ks = by_name[cfg["name"]]
         runs0 = [w0["runs"][k] for k in ks]
         steps = list(range(args.steps))
@@ -605,20 +689,21 @@ def summarize(rate: str, workers: list[dict], args) -> dict:
         first = cfg["start"] or 0
         n_after = args.steps - first
         a_l, a_g = allreduces_per_step(cfg)
+        g_run = means[global_piece(cfg)][0]
+        n_grads, n_avgs = global_events(cfg, first, args.steps)
+        expected = n_grads * means[hook_comm_of(cfg)][1] + n_avgs * means[comm_of(cfg)][1]
         rows.append(
             {
                 "name": cfg["name"],
                 "median_step_s": plain_median,
                 "step_s": per_step,
-                "predicted_step_s": predicted_step(c, l_alone, g, cfg),
-                "bound": speedup_bound(c, l_alone, g, cfg),
+                "predicted_step_s": predicted_step(c, l_alone, g_run, cfg),
+                "bound": (c + g) / predicted_step(c, l_alone, g_run, cfg),
                 "steps_to_target": hit,
                 "time_to_target_s": ttt,
                 "final_loss": statistics.fmean(runs0[0]["loss"][-args.window :]),
                 "bytes_per_step_after_switch": med(after) / max(n_after, 1),
-                "expected_bytes_per_step": g_bytes
-                * global_allreduces(cfg, first, args.steps)
-                / max(n_after, 1),
+                "expected_bytes_per_step": expected / max(n_after, 1),
                 "a_l": a_l,
                 "a_g": a_g,
                 "kinds": step_kinds(runs0[0]["step_s"][1:], steps[1:], cfg),
@@ -646,6 +731,7 @@ def summarize(rate: str, workers: list[dict], args) -> dict:
         "global_allreduce_bytes": g_bytes,
         "local_allreduce_bytes": l_bytes,
         "link_time_s": g_bytes / 2 * 8 / parse_rate(rate),  # half each way, both at once
+        "means": means,
         "rows": rows,
     }
 
@@ -679,6 +765,18 @@ def markdown(results: list[dict], command: str, args) -> str:
             f"| {ms(r['local_allreduce_s'])} | {ms(r['global_allreduce_s'])} "
             f"| {ms(r['link_time_s'])} | {mb(r['global_allreduce_bytes'])} |"
         )
+    lines += [
+        "",
+        "The same global mean of the parameters, by how it travels (time, and veth bytes "
+        "of both ends; two-level: reduce-scatter in the node, all-reduce across, all-gather "
+        "in the node; int8 / 4-bit: quantized with per-block scales, two-level):",
+        "",
+        "| link | " + " | ".join(COMMS) + " |",
+        "|---|" + "---:|" * len(COMMS),
+    ]
+    for r in results:
+        cells = [f"{ms(r['means'][k][0])} ms, {mb(r['means'][k][1])} MB" for k in COMMS]
+        lines.append(f"| {r['rate']} | " + " | ".join(cells) + " |")
     lines += [
         "",
         "Per step after the switch: the median of each kind of step (by what it "
@@ -749,6 +847,9 @@ def parse(argv=None):
         default=None,
         help="set this session's autogroup nice value while measuring (e.g. -10: the "
         "workers take precedence over niced jobs of other sessions), then restore it",
+    )
+    ap.add_argument(
+        "--runs", default=None, help="only the runs whose names contain these (comma-separated)"
     )
     ap.add_argument("--check", action="store_true", help="only check that it can run")
     ap.add_argument("--teardown", action="store_true", help="only remove leftovers")
@@ -914,13 +1015,16 @@ def measure(args) -> list[dict]:
 def _expected_session_bytes(summary: dict, workers: list[dict], args) -> float:
     """Bytes the timed parts should have put on the link: pieces plus training runs."""
     w = workers[0]
-    g = summary["global_allreduce_bytes"]
-    total = len(configs(args.start)) * g  # each run's step compiled on step 0 (global)
+    means = {kind: b for kind, (_, b) in summary["means"].items()}
+    cfgs = {c["name"]: c for c in chosen_configs(args)}
+    # each run's step compiled on step 0 (a global gradient mean of the hook's kind)
+    total = sum(means[hook_comm_of(c)] for c in cfgs.values())
     for _ in w["pieces"]:
-        total += (args.piece_reps + 1) * g  # + 1 untimed, to connect
-    cfgs = {c["name"]: c for c in configs(args.start)}
+        total += (args.piece_reps + 1) * sum(means.values())  # + 1 untimed, to connect
     for r in w["runs"]:
-        total += g * global_allreduces(cfgs[r["name"]], 0, args.steps)
+        cfg = cfgs[r["name"]]
+        n_grads, n_avgs = global_events(cfg, 0, args.steps)
+        total += n_grads * means[hook_comm_of(cfg)] + n_avgs * means[comm_of(cfg)]
     return total
 
 

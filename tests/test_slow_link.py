@@ -67,6 +67,12 @@ def test_allreduces_per_step_and_the_bound():
         "post-local SGD, H=16": (1.0, 1 / 16),
         # 7 node averages (steps 2, 4, ..., 14 mod 16) and one global per 16 steps
         "hierarchy 2: local, 16: global, no grad all-reduce": (7 / 16, 1 / 16),
+        # the ways a mean travels change the bytes, not when the means happen
+        "DDP, two-level": (0.0, 1.0),
+        "H=16, two-level": (1.0, 1 / 16),
+        "H=16, int8 two-level": (1.0, 1 / 16),
+        "H=16, 4-bit two-level": (1.0, 1 / 16),
+        "H=16, 4-bit two-level, delay 8": (1.0, 1 / 16),
     }
     c, loc, g = 0.1, 0.05, 1.0
     assert sl.speedup_bound(c, loc, g, cfgs["DDP"]) == pytest.approx(1.0)
@@ -215,3 +221,20 @@ def test_check_and_teardown_for_real_leave_nothing_behind():
     assert "lsgdtst" not in names
     if os.path.isdir("/etc/netns"):
         assert not [p for p in os.listdir("/etc/netns") if p.startswith("lsgdtst")]
+
+
+def test_how_each_run_communicates():
+    cfgs = by_name()
+    assert [sl.comm_of(c) for c in cfgs.values()] == [
+        "flat", "flat", "flat", "flat", "two_level", "two_level", "int8", "int4", "int4",
+    ]  # fmt: skip
+    # the hook's global gradient mean: two-level wherever the run is not flat
+    assert sl.hook_comm_of(cfgs["H=16, int8 two-level"]) == "two_level"
+    assert sl.global_piece(cfgs["DDP, two-level"]) == "two_level"
+    assert sl.global_piece(cfgs["H=16, 4-bit two-level"]) == "int4"
+    # steps 0 .. 79, switch at 4: 4 gradient means, then averages at 4, 20, 36, 52, 68
+    assert sl.global_events(cfgs["H=16, int8 two-level"], 0, 80) == (4, 5)
+    assert sl.global_events(cfgs["DDP, two-level"], 0, 80) == (80, 0)
+    assert sl.strategy("flat") is None
+    assert sl.strategy("int4") == lsgd_jax.comm.quantized(4, two_level=True)
+    assert cfgs["H=16, 4-bit two-level, delay 8"]["delay"] == 8
