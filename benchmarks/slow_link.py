@@ -520,7 +520,8 @@ def worker(args) -> None:
         def one(x):
             if kind == "flat":
                 return lax.pmean(x, group)
-            return lsgd_jax.comm.apply(how, x[0], group).value[None]
+            mine = jax.tree.map(lambda v: v[0], x)  # this replica's parameters
+            return jax.tree.map(lambda v: v[None], lsgd_jax.comm.apply(how, mine, group).value)
 
         mean = jax.jit(jax.shard_map(one, mesh=mesh, in_specs=P(axes), out_specs=P(axes)))
         jax.block_until_ready(mean(replicated))  # compile, connect
@@ -568,6 +569,10 @@ def worker(args) -> None:
             "local_step_s": timed_steps(*piece_steps["local"], args.piece_steps),
         }
         out["pieces"].append(piece)
+        say(
+            f"rep {rep}: global mean "
+            + ", ".join(f"{k} {statistics.median(v['s']) * 1e3:.0f} ms" for k, v in kinds.items())
+        )
         say(
             f"rep {rep}: global all-reduce {statistics.median(g_times) * 1e3:.0f} ms, "
             f"local {statistics.median(l_times) * 1e3:.0f} ms, step without collectives "
@@ -617,6 +622,7 @@ def run_workers(args, rate: str, out_dir: pathlib.Path) -> list[dict]:
         "--devices", str(args.devices), "--reps", str(args.reps),
         "--piece-reps", str(args.piece_reps), "--piece-steps", str(args.piece_steps),
         "--window", str(args.window),
+        *(["--runs", args.runs] if args.runs else []),
     ]  # fmt: skip
     cmds = [
         ["ip", "netns", "exec", ns, sys.executable, str(pathlib.Path(__file__).resolve())]

@@ -118,15 +118,26 @@ def two_level_sum(flat: jax.Array, inner: str, outer: tuple[Any, ...]) -> jax.Ar
 
 def two_level_mean(tree: Any, group: Group, inner: str, cast: bool = True) -> Any:
     """The mean of ``tree``'s floating leaves over ``group``, in two levels where it can
-    (see :func:`two_level_sum`), else one all-reduce."""
+    (see :func:`two_level_sum`), else one all-reduce.
+
+    Leaf by leaf (XLA combines the collectives of one level into one): packing the tree
+    into one buffer first costs a copy of every value, which on CPU is several times
+    the collectives themselves (measured: 100 ms against 15 ms for 2.4M parameters on
+    8 simulated devices).
+    """
     split = split_two_level(group, inner)
     if split is None:
         return _collectives.mean(tree, group, cast)
-    packed = pack(tree)
-    if not packed.picked:
-        return tree
-    total = two_level_sum(packed.flat, *split)
-    return packed.unpack(total / _collectives.group_size(group), cast)
+    size = _collectives.group_size(group)
+
+    def one(x):
+        if not _collectives.is_averaged(x):
+            return x
+        acc = jnp.ravel(x).astype(_collectives.accumulation_dtype(x.dtype))
+        mean = (two_level_sum(acc, *split) / size).astype(x.dtype).reshape(x.shape)
+        return _collectives.cast_varying(mean, _collectives.vma(x)) if cast else mean
+
+    return jax.tree.map(one, tree)
 
 
 def narrow_mean(tree: Any, group: Group, dtype: Any, cast: bool = True) -> Any:
