@@ -234,8 +234,13 @@ def configs(start: int) -> list[dict]:
          "levels": h16, "comm": "int8"},
         {"name": "H=16, 4-bit two-level", "start": start, "grad_allreduce": True,
          "levels": h16, "comm": "int4"},
-        {"name": "H=16, 4-bit two-level, delay 8", "start": start, "grad_allreduce": True,
-         "levels": h16, "comm": "int4", "delay": 8},
+        {"name": "H=16, 4-bit two-level, no grad all-reduce", "start": start,
+         "grad_allreduce": False, "levels": h16, "comm": "int4"},
+        {"name": "hierarchy 2: local, 16: 4-bit two-level, no grad all-reduce",
+         "start": start, "grad_allreduce": False, "levels": {2: "local", 16: "global"},
+         "comm": "int4"},
+        {"name": "H=16, 4-bit two-level, no grad all-reduce, delay 8", "start": start,
+         "grad_allreduce": False, "levels": h16, "comm": "int4", "delay": 8},
     ]  # fmt: skip
 
 

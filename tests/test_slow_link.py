@@ -72,7 +72,9 @@ def test_allreduces_per_step_and_the_bound():
         "H=16, two-level": (1.0, 1 / 16),
         "H=16, int8 two-level": (1.0, 1 / 16),
         "H=16, 4-bit two-level": (1.0, 1 / 16),
-        "H=16, 4-bit two-level, delay 8": (1.0, 1 / 16),
+        "H=16, 4-bit two-level, no grad all-reduce": (0.0, 1 / 16),
+        "hierarchy 2: local, 16: 4-bit two-level, no grad all-reduce": (7 / 16, 1 / 16),
+        "H=16, 4-bit two-level, no grad all-reduce, delay 8": (0.0, 1 / 16),
     }
     c, loc, g = 0.1, 0.05, 1.0
     assert sl.speedup_bound(c, loc, g, cfgs["DDP"]) == pytest.approx(1.0)
@@ -226,7 +228,8 @@ def test_check_and_teardown_for_real_leave_nothing_behind():
 def test_how_each_run_communicates():
     cfgs = by_name()
     assert [sl.comm_of(c) for c in cfgs.values()] == [
-        "flat", "flat", "flat", "flat", "two_level", "two_level", "int8", "int4", "int4",
+        "flat", "flat", "flat", "flat", "two_level", "two_level", "int8", "int4", "int4", "int4",
+        "int4",
     ]  # fmt: skip
     # the hook's global gradient mean: two-level wherever the run is not flat
     assert sl.hook_comm_of(cfgs["H=16, int8 two-level"]) == "two_level"
@@ -237,4 +240,4 @@ def test_how_each_run_communicates():
     assert sl.global_events(cfgs["DDP, two-level"], 0, 80) == (80, 0)
     assert sl.strategy("flat") is None
     assert sl.strategy("int4") == lsgd_jax.comm.quantized(4, two_level=True)
-    assert cfgs["H=16, 4-bit two-level, delay 8"]["delay"] == 8
+    assert cfgs["H=16, 4-bit two-level, no grad all-reduce, delay 8"]["delay"] == 8
