@@ -171,3 +171,42 @@ def test_optax_path_matches_pytorch(form, per_replica_state):
 
     worst = check(run(step, tx.init(init_params()), per_replica_state))
     print(f"optax path ({form}): max |diff| vs PyTorch = {worst:.2e}")
+
+
+def test_two_level_means_follow_pytorch_and_the_flat_means():
+    # comm.two_level() on the hook's global phase and the averager: the same numbers as
+    # the flat all-reduce up to the order of the float sums.
+    sgd = optax.sgd(CFG["lr"], momentum=CFG["momentum"])
+    two = lsgd_jax.comm.two_level()
+    avg = lsgd_jax.PeriodicModelAverager(CFG["period"], CFG["warmup"], communication=two)
+    hook = lsgd_jax.post_local_sgd(
+        CFG["start"],
+        subgroup="local",
+        post_local_gradient_allreduce=CFG["post_local_gradient_allreduce"],
+        communication=two,
+    )
+    tx = optax.chain(hook, sgd, lsgd_jax.model_averaging(avg))
+    flat = optax.chain(
+        lsgd_jax.post_local_sgd(
+            CFG["start"],
+            subgroup="local",
+            post_local_gradient_allreduce=CFG["post_local_gradient_allreduce"],
+        ),
+        sgd,
+        lsgd_jax.model_averaging(averager()),
+    )
+
+    def stepper(t):
+        def step(params, opt_state, x, y):
+            grads = jax.grad(loss_fn)(params, x, y)
+            updates, opt_state = t.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        return step
+
+    got = run(stepper(tx), tx.init(init_params()), True)
+    want = run(stepper(flat), flat.init(init_params()), True)
+    worst = check(got)
+    diff = max(float(np.max(np.abs(got[n] - want[n]))) for n in NAMES)
+    assert diff <= 1e-6, diff
+    print(f"two-level: max |diff| vs PyTorch {worst:.2e}, vs flat {diff:.2e}")
