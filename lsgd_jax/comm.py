@@ -375,6 +375,11 @@ def two_level(inner_axis: str = "local") -> TwoLevel:
     Args:
       inner_axis: the mesh axis of one node's devices (``"local"`` in :func:`make_mesh`).
 
+    References:
+      Jia et al., `Highly Scalable Deep Learning Training System with Mixed-Precision:
+      Training ImageNet in Four Minutes <https://arxiv.org/abs/1807.11205>`_, 2018
+      (hierarchical all-reduce).
+
     Returns:
       A :class:`Communication`.
 
