@@ -387,6 +387,10 @@ def quantized_mean(
       >>> f(jnp.array([1.0, 3.0]))
       Array([2., 2.], dtype=float32)
     """
+    if two_level_inner is not None and _inside_node(group, two_level_inner):
+        # Two-level means float32 inside the node: a mean that never leaves it (a
+        # hierarchy's node level) is exact, and leaves the residual alone.
+        return _collectives.mean(tree, group, cast), state
     packed = _wire.pack(tree)
     if not packed.picked:
         return tree, state
@@ -418,6 +422,11 @@ def quantized_mean(
     if residual_packed is None:
         return value, None
     return value, residual_packed.unpack(residual[: packed.size], cast=False)
+
+
+def _inside_node(group: Group, inner: str) -> bool:
+    """Whether ``group`` is just the node's axis (its mean never crosses nodes)."""
+    return isinstance(group, tuple) and tuple(group) == (inner,)
 
 
 def zeros_state(tree: Any) -> Any:

@@ -472,6 +472,8 @@ def quantized(
         value.
       error_feedback: keep the residual (needs ``averager.init(params)``).
       two_level: reduce inside the node in float32 first; quantize only across nodes.
+        A mean over the node's axis alone (a hierarchy's node level) is then a plain
+        float32 all-reduce, and leaves the residual alone.
       inner_axis: the mesh axis of one node's devices (``"local"`` in :func:`make_mesh`).
 
     Returns:

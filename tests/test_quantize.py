@@ -383,3 +383,35 @@ def test_bad_arguments_and_the_stateless_hook_are_explained():
     out, x = np.asarray(out, np.float64), np.asarray(grads, np.float64)
     assert (out == out[0]).all()
     assert (np.abs(out[0] - x.mean(0)) <= error_bound(x, 8, two_level=False)).all()
+
+
+def test_two_level_keeps_a_node_level_exact_and_its_residual():
+    # A hierarchy's node level never crosses nodes: with two_level=True it is a plain
+    # float32 mean, and the error-feedback residual is only the global level's.
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from helpers import DATA, mesh_2x4, put, smap, squeeze, unsqueeze
+
+    import lsgd_jax
+
+    mesh = mesh_2x4()
+    strategy = lsgd_jax.comm.quantized(4, two_level=True)
+    averager = lsgd_jax.HierarchicalModelAverager(
+        {1: "local", 4: ("node", "local")}, communication=strategy
+    )
+
+    def body(params, state):
+        p, s = averager.average_parameters(squeeze(params), squeeze(state))
+        return unsqueeze(p), unsqueeze(s)
+
+    f = smap(body, mesh, (DATA, DATA), (DATA, DATA))
+    p0 = jnp.zeros(64)
+    values = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
+    state = lsgd_jax.replicate(averager.init(p0), mesh)
+    state = jax.tree.map(lambda x: x, state)
+    state = state.replace(step=state.step + 1)  # step 1: the node level
+    out, state = f(put(jnp.asarray(values), mesh, DATA), state)
+    want = values.reshape(2, 4, 64).mean(1, keepdims=True).repeat(4, 1).reshape(8, 64)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(state.comm_state), 0.0)
