@@ -6,6 +6,7 @@ Use Large Mini-Batches, Use Local SGD", ICLR 2020).
 """
 
 from lsgd_jax import comm
+from lsgd_jax import elastic
 from lsgd_jax._averaging import HierarchicalModelAverager
 from lsgd_jax._averager_state import ModelAveragerState
 from lsgd_jax._averaging import PeriodicModelAverager
@@ -68,6 +69,7 @@ __all__ = [
     "check_configuration",
     "comm",
     "communication_report",
+    "elastic",
     "consensus",
     "data_axes",
     "data_parallel_step",

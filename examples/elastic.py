@@ -1,0 +1,320 @@
+"""Elastic post-local SGD on N local processes: kill some, restart them, training goes on.
+
+Run::
+
+    python examples/elastic.py --processes 3 --devices-per-process 2 --steps 60 \\
+        --kill 2@20 --restart 2@30 --json /tmp/elastic.jsonl
+
+The launcher starts N workers (this file again), joined over 127.0.0.1 by
+``lsgd_jax.elastic.initialize``. Each trains a small MLP on scikit-learn's digits with
+post-local SGD (global gradient means until step 10, then node-local ones; model
+averages every 4 steps) through :class:`lsgd_jax.elastic.ElasticLoop`, feeding its own
+share of the training rows (process p: rows with index % N == p).
+
+``--kill P@K`` SIGKILLs process P as soon as a live process reports starting step K
+(so the kill may land mid-collective); ``--restart P@K`` starts it again (same process
+index) once a live process reports step K: it joins the running job. ``--stall P@K``
+stops P with SIGSTOP instead (alive but stuck); the launcher SIGKILLs it at the end.
+``--json FILE`` gets one JSON line per completed step and process
+(``{"process", "step", "live_processes", "loss", "recovery_s"}``) and one final line
+per process (``{"process", "final": true, "consensus_sha256", "test_accuracy"}``).
+The launcher exits 0 when the survivors (and any restarted process) finish all steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--processes", type=int, default=3)
+    ap.add_argument("--devices-per-process", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--kill", action="append", default=[], metavar="P@K")
+    ap.add_argument("--restart", action="append", default=[], metavar="P@K")
+    ap.add_argument("--stall", action="append", default=[], metavar="P@K")
+    ap.add_argument(
+        "--die",
+        action="append",
+        default=[],
+        metavar="P@K:WHERE",
+        help="process P exits by itself at step K, 'between' steps (after step K-1) or "
+        "'inside' step K (after the barrier, as the others enter its collectives)",
+    )
+    ap.add_argument("--json", default=None, metavar="FILE")
+    ap.add_argument("--start", type=int, default=10, help="start_localSGD_iter")
+    ap.add_argument("--period", type=int, default=4, help="model averaging period")
+    ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument(
+        "--step-time",
+        type=float,
+        default=0.0,
+        help="seconds of simulated compute added to every step (widens the windows in "
+        "which to kill and restart)",
+    )
+    ap.add_argument("--heartbeat", type=int, default=3, help="heartbeat timeout (s)")
+    ap.add_argument("--collective-timeout", type=int, default=5, help="seconds")
+    ap.add_argument("--stall-timeout", type=float, default=120.0, help="watchdog (s)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="whole run (s)")
+    ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--events", default=None, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def _at(items: list[str], flag: str) -> list[tuple[int, int]]:
+    out = []
+    for item in items:
+        try:
+            p, k = item.split("@")
+            out.append((int(p), int(k)))
+        except ValueError:
+            sys.exit(f"elastic.py: {flag} takes P@K (process P at step K), got {item!r}.")
+    return out
+
+
+# ----------------------------------------------------------------------------- worker
+
+
+def _data(n_processes: int, me: int):
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    order = np.random.default_rng(0).permutation(len(x))
+    x, y = (x[order] / 16.0).astype(np.float32), y[order].astype(np.int32)
+    test = slice(0, 360)
+    mine = np.arange(360, len(x))
+    mine = mine[mine % n_processes == me]
+    return (x[mine], y[mine]), (x[test], y[test])
+
+
+def worker(args) -> None:
+    from lsgd_jax import elastic
+
+    elastic.initialize(
+        f"127.0.0.1:{args.port}",
+        args.processes,
+        args.process_id,
+        num_cpu_devices=args.devices_per_process,
+        heartbeat_timeout_s=args.heartbeat,
+        collective_timeout_s=args.collective_timeout,
+    )
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import lsgd_jax
+
+    me, rows = args.process_id, 16  # rows per replica
+    (xs, ys), (xt, yt) = _data(args.processes, me)
+    events = open(args.events, "a", buffering=1) if args.events else None
+    out = open(args.json, "a", buffering=1) if args.json else None
+
+    def emit(f, record):
+        if f is not None:
+            f.write(json.dumps(record) + "\n")
+
+    dies = {}
+    for item in args.die:
+        at, where = item.split(":")
+        for p, k in _at([at], "--die"):
+            if p == me and not os.environ.get("LSGD_ELASTIC_RESTARTED"):
+                dies[(k, where)] = True
+
+    def batch_fn(step, layout):
+        emit(events, {"process": me, "start": step})
+        if dies.get((step, "inside")):
+            os._exit(3)
+        time.sleep(args.step_time)
+        rng = np.random.default_rng([step, me])
+        idx = rng.choice(len(xs), rows * layout.devices_per_process, replace=False)
+        return {"x": xs[idx], "y": ys[idx]}
+
+    def logits(params, x):
+        return jnp.tanh(x @ params["w1"] + params["b1"]) @ params["w2"] + params["b2"]
+
+    def loss_fn(params, batch):
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits(params, batch["x"]), batch["y"]
+        ).mean()
+
+    rng = np.random.default_rng(1)
+    init = {
+        "w1": (rng.standard_normal((64, 64)) / 8).astype(np.float32),
+        "b1": np.zeros(64, np.float32),
+        "w2": (rng.standard_normal((64, 10)) / 8).astype(np.float32),
+        "b2": np.zeros(10, np.float32),
+    }
+    tx = optax.chain(
+        lsgd_jax.post_local_sgd(args.start),
+        optax.sgd(args.lr, momentum=0.9),
+        lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(args.period, args.start)),
+    )
+
+    def on_step(r):
+        emit(
+            out,
+            {
+                "process": me,
+                "step": r.step,
+                "live_processes": list(r.live_processes),
+                "loss": r.loss,
+                "recovery_s": r.recovery_s,
+            },
+        )
+        if dies.get((r.step + 1, "between")):
+            os._exit(3)
+
+    loop = elastic.ElasticLoop(
+        loss_fn, tx, init, batch_fn, stall_timeout_s=args.stall_timeout, on_step=on_step
+    )
+    result = loop.run(args.steps)
+    model = jax.device_get(loop.consensus(result))
+    digest = hashlib.sha256(
+        b"".join(np.ascontiguousarray(model[k]).tobytes() for k in sorted(model))
+    ).hexdigest()
+    acc = float((np.asarray(logits(model, xt)).argmax(-1) == yt).mean())
+    emit(out, {"process": me, "final": True, "consensus_sha256": digest, "test_accuracy": acc})
+    emit(events, {"process": me, "final": True})
+    loop.shutdown()
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Launcher:
+    def __init__(self, args, argv: list[str], events: pathlib.Path):
+        self.args, self.argv, self.events = args, argv, events
+        self.port = _free_port()
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.gone: set[int] = set()  # killed (and not restarted since)
+        self.stopped: set[int] = set()
+        self._read = 0
+        self.started = -1  # the highest step a live process reported starting
+
+    def start(self, i: int) -> None:
+        cmd = [sys.executable, os.path.abspath(__file__), *self.argv]
+        cmd += ["--port", str(self.port), "--process-id", str(i), "--events", str(self.events)]
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        )
+        env.pop("XLA_FLAGS", None)
+        env.pop("JAX_NUM_CPU_DEVICES", None)
+        if i in self.procs:
+            env["LSGD_ELASTIC_RESTARTED"] = "1"  # a --die applies to the first start only
+        self.procs[i] = subprocess.Popen(cmd, env=env)
+        self.gone.discard(i)
+
+    def poll_events(self) -> None:
+        with open(self.events) as f:
+            f.seek(self._read)
+            for line in f:
+                if not line.endswith("\n"):
+                    break
+                self._read += len(line)
+                event = json.loads(line)
+                if "start" in event and event["process"] not in self.gone:
+                    self.started = max(self.started, event["start"])
+
+    def act(self, kills, restarts, stalls) -> None:
+        for p, proc in self.procs.items():
+            if proc.poll() == 3 and p not in self.gone:  # a --die
+                self.gone.add(p)
+                print(f"elastic.py: process {p} exited by itself (--die)", flush=True)
+        for p, k in list(kills):
+            if self.started >= k:
+                self.procs[p].kill()
+                self.gone.add(p)
+                kills.remove((p, k))
+                print(f"elastic.py: killed process {p} at step {self.started}", flush=True)
+        for p, k in list(stalls):
+            if self.started >= k:
+                self.procs[p].send_signal(signal.SIGSTOP)
+                self.gone.add(p)
+                self.stopped.add(p)
+                stalls.remove((p, k))
+                print(f"elastic.py: stopped process {p} at step {self.started}", flush=True)
+        for p, k in list(restarts):
+            if self.started >= k and p in self.gone and self.procs[p].poll() is not None:
+                self.start(p)
+                restarts.remove((p, k))
+                print(f"elastic.py: restarted process {p} at step {self.started}", flush=True)
+
+    def finished(self) -> int | None:
+        """0 or 1 once every process that should finish has ended, else None."""
+        live = [i for i in self.procs if i not in self.gone]
+        codes = {i: self.procs[i].poll() for i in live}
+        if any(c is None for c in codes.values()):
+            return None
+        bad = {i: c for i, c in codes.items() if c != 0}
+        if bad:
+            print(f"elastic.py: processes ended with {bad}", file=sys.stderr, flush=True)
+        return 1 if bad or 0 in self.gone else 0
+
+
+def launch(args, argv: list[str]) -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    kills, restarts = _at(args.kill, "--kill"), _at(args.restart, "--restart")
+    stalls = _at(args.stall, "--stall")
+    with tempfile.TemporaryDirectory() as tmp:
+        events = pathlib.Path(tmp) / "events.jsonl"
+        events.touch()
+        run = _Launcher(args, argv, events)
+        deadline = time.monotonic() + args.timeout
+        try:
+            for i in range(args.processes):
+                run.start(i)
+            while True:
+                run.poll_events()
+                run.act(kills, restarts, stalls)
+                code = run.finished()
+                if code is not None:  # nobody left to reach a pending --restart's step
+                    return code
+                if time.monotonic() > deadline:
+                    print(f"elastic.py: timed out after {args.timeout} s", file=sys.stderr)
+                    return 1
+                time.sleep(0.02)
+        finally:
+            for p in run.procs.values():
+                if p.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        p.send_signal(signal.SIGCONT)
+                        p.kill()
+            for p in run.procs.values():
+                p.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse(argv)
+    if args.process_id is not None:
+        worker(args)
+        return 0
+    return launch(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

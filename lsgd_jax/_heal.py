@@ -1,0 +1,108 @@
+"""Moving per-replica state onto a new membership's mesh, and healing joiners.
+
+Nothing moves between devices when the mesh changes: each device keeps its own
+replica's values, and a new global array is assembled from the local shards
+(``jax.make_array_from_single_device_arrays``). A process that joins has no state of
+its own; one collective program gives its replicas the survivors' consensus params
+(their mean) and one live replica's optimizer state and counters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def reshard(tree: Any, mesh: Mesh, axes: tuple[str, ...]) -> Any:
+    """The same per-replica values, as global arrays over ``mesh`` (one replica a device).
+
+    Args:
+      tree: arrays with a leading replica axis, one replica on each of this process's
+        devices (sharded over any earlier mesh that holds these devices).
+      mesh: the new mesh; this process's devices must be among its devices.
+      axes: the mesh axes the replica axis is split over.
+
+    Returns:
+      The tree over ``mesh`` (no copies: the local buffers are reused).
+    """
+    sharding = NamedSharding(mesh, P(axes))
+    n = int(np.prod([mesh.shape[a] for a in axes]))
+
+    def one(x):
+        by_device = {s.device: s.data for s in x.addressable_shards}
+        local = [by_device[d] for d in sharding.addressable_devices]
+        return jax.make_array_from_single_device_arrays((n, *x.shape[1:]), sharding, local)
+
+    return jax.tree.map(one, tree)
+
+
+def local_flags(mesh: Mesh, axes: tuple[str, ...], value: bool) -> jax.Array:
+    """A per-replica bool array over ``mesh``: ``value`` on every replica of this process."""
+    sharding = NamedSharding(mesh, P(axes))
+    n = int(np.prod([mesh.shape[a] for a in axes]))
+    return jax.make_array_from_callback(
+        (n,), sharding, lambda idx: np.full(len(range(n)[idx[0]]), value)
+    )
+
+
+def _heal_program(mesh: Mesh, axes: tuple[str, ...]):
+    spec = P(axes)
+
+    def body(params, opt_state, joining, source):
+        keep = (~joining).astype(jnp.float32)  # (1,): this replica's weight in the mean
+        n = jax.lax.psum(keep, axes)
+
+        def mean(x):
+            if not jnp.issubdtype(x.dtype, jnp.inexact):
+                return pick(x)
+            w = keep.reshape((1,) + (1,) * (x.ndim - 1))
+            acc = jax.lax.psum(x.astype(jnp.float32) * w, axes) / n.reshape(w.shape)
+            return jnp.where(joining.reshape(w.shape), acc.astype(x.dtype), x)
+
+        def pick(x):
+            s = source.reshape((1,) + (1,) * (x.ndim - 1))
+            got = jax.lax.psum(jnp.where(s, x, jnp.zeros_like(x)), axes)
+            return jnp.where(joining.reshape(s.shape), got, x)
+
+        return jax.tree.map(mean, params), jax.tree.map(pick, opt_state)
+
+    return jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, spec), out_specs=(spec, spec))
+    )
+
+
+def heal(
+    params: Any, opt_state: Any, mesh: Mesh, axes: tuple[str, ...], joining: bool, source: bool
+) -> tuple[Any, Any]:
+    """Joiners' replicas take the survivors' mean params and one survivor's state.
+
+    Every process of the mesh calls it (a collective).
+
+    Args:
+      params, opt_state: per-replica trees over ``mesh`` (a joiner's are placeholders of
+        the right shapes, e.g. a fresh init).
+      mesh, axes: the membership's mesh and its data axes.
+      joining: whether this process is joining.
+      source: whether this process's first replica is the one whose optimizer state
+        the joiners copy (exactly one process says True; never a joiner).
+
+    Returns:
+      ``(params, opt_state)``: survivors' replicas unchanged.
+    """
+    join = local_flags(mesh, axes, joining)
+    sharding = NamedSharding(mesh, P(axes))
+    n = int(np.prod([mesh.shape[a] for a in axes]))
+    first = sharding.addressable_devices_indices_map((n,))
+    lowest = min(idx[0].start or 0 for idx in first.values())
+
+    def src(idx):
+        start = idx[0].start or 0
+        return np.array([source and start == lowest])
+
+    pick = jax.make_array_from_callback((n,), sharding, src)
+    return _heal_program(mesh, axes)(params, opt_state, join, pick)

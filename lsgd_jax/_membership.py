@@ -1,0 +1,152 @@
+"""Who is in an elastic run: the live processes, the epoch that names each membership,
+and the device order (mesh) every process derives from it.
+
+JAX's ``live_devices`` barrier gives every live process the same set of live processes
+and their incarnations (a restarted process has a new one). Process 0, which hosts the
+coordination service and so outlives every run that continues, numbers each new
+membership (an epoch) in the coordination service's key-value store, with the step the
+survivors are at and who joins; every process reads that record, so a process that
+just (re)started learns the epoch, the step and that it must receive the state.
+
+Why epochs name device orders: on CPU, gloo keys each communicator by the mesh's device
+order. A restarted process cannot reuse the key its dead incarnation registered
+("ALREADY_EXISTS"), and the survivors' cached communicator for that order still points
+at the dead peer. So each epoch uses a device order no earlier epoch used: the epoch
+number, written in a mixed radix, picks a permutation of the process rows and of each
+process's devices (an order repeats only after ``n! * (d!)**n`` membership changes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+PREFIX = "lsgd_jax/elastic"
+
+
+class CoordinatorLostError(RuntimeError):
+    """Process 0 (the coordination service's host) is gone: no elastic run can go on."""
+
+
+def client() -> Any:
+    """The ``jax.distributed`` client; a clear error when JAX is not initialized."""
+    from jax._src import distributed
+
+    c = distributed.global_state.client
+    if c is None:
+        raise RuntimeError(
+            "lsgd_jax.elastic: jax.distributed is not initialized; call "
+            "lsgd_jax.elastic.initialize(coordinator_address, num_processes, process_id) "
+            "before building the loop."
+        )
+    return c
+
+
+@dataclasses.dataclass(frozen=True)
+class View:
+    """One membership, as process 0 recorded it.
+
+    Attributes:
+      members: ``(process, incarnation)`` pairs, by process.
+      epoch: this membership's number (0: the first).
+      step: the step the survivors were about to run when it began.
+      joining: processes that must receive the state (new or back).
+    """
+
+    members: tuple[tuple[int, int], ...]
+    epoch: int
+    step: int
+    joining: tuple[int, ...]
+
+    @property
+    def processes(self) -> tuple[int, ...]:
+        return tuple(p for p, _ in self.members)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> View:
+        d = json.loads(text)
+        return cls(
+            tuple((int(p), int(i)) for p, i in d["members"]),
+            int(d["epoch"]),
+            int(d["step"]),
+            tuple(int(p) for p in d["joining"]),
+        )
+
+
+def _key(members: tuple[tuple[int, int], ...]) -> str:
+    return f"{PREFIX}/view/" + ",".join(f"{p}:{i}" for p, i in members)
+
+
+class Membership:
+    """Agrees on the view of each attempt (call :meth:`agree` inside ``live_devices``)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self._timeout_ms = int(timeout_s * 1000)
+        self._last: View | None = None  # process 0: the view of its previous attempt
+
+    def agree(
+        self, members: tuple[tuple[int, int], ...], step: int, me: int, committed: View | None
+    ) -> View:
+        """The view for these live members: process 0 records it, the others read it.
+
+        Args:
+          members: ``(process, incarnation)`` of every live process, by process (the
+            same on every process: ``live_devices`` is a barrier).
+          step: this process's next step (only process 0's is recorded).
+          me: this process's index.
+          committed: the view of this process's last successful attempt (None at
+            first). Process 0's says who joins: whoever was not in it (an attempt that
+            failed healed no one).
+
+        Returns:
+          The agreed :class:`View`.
+        """
+        c = client()
+        key = _key(members)
+        if me == 0 and (self._last is None or self._last.members != members):
+            if self._last is not None:
+                # The old record goes first: if that membership comes back later, its
+                # readers wait for the new record instead of reading a stale epoch.
+                c.key_value_delete(_key(self._last.members))
+            before = set(committed.members) if committed is not None else set(members)
+            joining = tuple(p for p, i in members if (p, i) not in before)
+            epoch = 0 if self._last is None else self._last.epoch + 1
+            self._last = View(members, epoch, step, joining)
+            c.key_value_set(key, self._last.to_json(), allow_overwrite=True)
+        return View.from_json(c.blocking_key_value_get(key, self._timeout_ms))
+
+
+def _permutation(index: int, items: list[Any]) -> list[Any]:
+    """The ``index``-th permutation of ``items`` (factorial number system; 0: as is)."""
+    items, out = list(items), []
+    for k in range(len(items), 0, -1):
+        f = math.factorial(k - 1)
+        out.append(items.pop(index // f))
+        index %= f
+    return out
+
+
+def device_rows(epoch: int, devices_by_process: dict[int, list[Any]]) -> list[list[Any]]:
+    """The mesh rows (one per process) of an epoch: a device order no other epoch uses.
+
+    Args:
+      epoch: the membership's number.
+      devices_by_process: each live process's devices, in their usual order.
+
+    Returns:
+      One list of devices per live process; epoch 0 keeps every order as given.
+    """
+    procs = sorted(devices_by_process)
+    d = len(devices_by_process[procs[0]])
+    index = epoch % (math.factorial(len(procs)) * math.factorial(d) ** len(procs))
+    index, rows_digit = divmod(index, math.factorial(len(procs)))
+    rows = []
+    for p in _permutation(rows_digit, procs):
+        index, digit = divmod(index, math.factorial(d))
+        rows.append(_permutation(digit, list(devices_by_process[p])))
+    return rows

@@ -1,0 +1,517 @@
+"""Elastic post-local SGD: keep training when a process dies, take it back when it returns.
+
+Local SGD does not need every node on every step, so when a process dies the others
+can go on and average among themselves. :class:`ElasticLoop` runs
+:func:`~lsgd_jax.data_parallel_step` one step at a time inside JAX's ``live_devices``
+barrier (every live process agrees on who is alive and on whether the step succeeded).
+On a failure (a dead process, a collective that timed out) it
+
+1. rebuilds the mesh over the live processes (the ``"node"`` axis shrinks; each device
+   keeps its own replica's params and optimizer state: no checkpoint reload),
+2. re-runs the failed step from the state before it (nothing is donated),
+3. keeps every survivor's step counters equal (they never diverge: a step is
+   committed on all processes or on none), and the means are over the live replicas,
+4. logs who failed at which step and how long recovery took.
+
+A process that (re)starts joins the running job: it receives the survivors' consensus
+params, one live replica's optimizer state and the step counters, and is in the next
+step's averages; the survivors do not stop. A process that hangs without dying (its
+heartbeats stop, e.g. SIGSTOP) is treated as dead after the heartbeat timeout; one that
+stalls inside Python is ended by the loop's watchdog (``stall_timeout_s``). If process 0
+dies, the coordination service it hosts goes with it and every process ends with an
+error (JAX terminates them); no run can continue without it.
+
+Start every process with :func:`initialize` (instead of ``jax.distributed.initialize``),
+which turns on JAX's recoverability, sets collective timeouts and keeps a dead peer
+from ending the others. The user's ``batch_fn(step, layout)`` returns this process's
+rows of the global batch; ``layout`` (a :class:`Layout`) says which processes are live
+and where this one sits, so each live process keeps feeding its own rows.
+
+Example (each of N processes runs this, with its own ``process_id``)::
+
+    import lsgd_jax.elastic as elastic
+    elastic.initialize("127.0.0.1:9876", num_processes=3, process_id=i, num_cpu_devices=2)
+    loop = elastic.ElasticLoop(loss_fn, tx, init_params, batch_fn)
+    result = loop.run(num_steps=200)   # survives dead processes; takes back restarted ones
+    model = loop.consensus(result.params)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from lsgd_jax import _heal, _membership, _validate
+from lsgd_jax._membership import CoordinatorLostError, View
+
+logger = logging.getLogger("lsgd_jax.elastic")
+
+__all__ = [
+    "CoordinatorLostError",
+    "ElasticLoop",
+    "ElasticResult",
+    "Layout",
+    "StepRecord",
+    "initialize",
+]
+
+_CPU_FLAGS = "--xla_cpu_collective_timeout_seconds={t}"
+# From JAX's fault-tolerance guide: a failed NCCL collective must not end the process,
+# and collectives with a failed participant must be cancelled.
+_GPU_FLAGS = (
+    "--xla_gpu_nccl_terminate_on_error=false",
+    "--xla_gpu_nccl_async_execution=true",
+    "--xla_gpu_nccl_blocking_communicators=false",
+)
+_GPU_ENV = {
+    "XLA_PYTHON_CLIENT_ABORT_COLLECTIVES_ON_FAILURE": "1",
+    "XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": "1",
+}
+
+
+def initialize(
+    coordinator_address: str,
+    num_processes: int,
+    process_id: int,
+    *,
+    platform: str = "cpu",
+    num_cpu_devices: int | None = None,
+    heartbeat_timeout_s: int = 3,
+    collective_timeout_s: int = 5,
+    initialization_timeout_s: int = 60,
+) -> None:
+    """``jax.distributed.initialize`` for an elastic run; call it before any JAX work.
+
+    Turns on ``jax_enable_recoverability`` (a dead peer no longer ends this process),
+    makes collectives with a dead participant fail after ``collective_timeout_s``
+    instead of hanging (CPU: ``--xla_cpu_collective_timeout_seconds``; GPU: the NCCL
+    flags of JAX's fault-tolerance guide), selects gloo on CPU, and connects.
+
+    Args:
+      coordinator_address: ``host:port`` of process 0's coordination service.
+      num_processes: processes in the job (a restarted one counts once).
+      process_id: this process's index; a restarted process reuses its old index.
+      platform: ``"cpu"`` or ``"gpu"``.
+      num_cpu_devices: CPU devices for this process (CPU only; default JAX's).
+      heartbeat_timeout_s: seconds without heartbeats after which a process is dead.
+      collective_timeout_s: seconds a collective waits for a missing peer (CPU).
+      initialization_timeout_s: seconds to wait for the coordinator (a process started
+        when process 0 is gone fails after this instead of retrying forever).
+
+    Returns:
+      None.
+
+    Example:
+      >>> import lsgd_jax.elastic as elastic
+      >>> elastic.initialize("127.0.0.1:9876", 3, 0, num_cpu_devices=2)  # doctest: +SKIP
+    """
+    from jax._src import xla_bridge
+
+    if platform not in ("cpu", "gpu"):
+        raise ValueError(f"initialize: platform must be 'cpu' or 'gpu', got {platform!r}.")
+    _validate.positive_int(heartbeat_timeout_s, "initialize: heartbeat_timeout_s")
+    _validate.positive_int(collective_timeout_s, "initialize: collective_timeout_s")
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError(
+            "lsgd_jax.elastic.initialize: JAX's backend is already running, so its "
+            "collective timeouts can no longer be set; call initialize() before any "
+            "other JAX call (jax.devices(), creating arrays, jit)."
+        )
+    if process_id != 0:  # process 0 starts the service
+        _wait_for_coordinator(coordinator_address, initialization_timeout_s)
+    flags = [_CPU_FLAGS.format(t=collective_timeout_s)]
+    if platform == "gpu":
+        flags += list(_GPU_FLAGS)
+        os.environ.update(_GPU_ENV)
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()
+    jax.config.update("jax_enable_recoverability", True)
+    if platform == "cpu":
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        if num_cpu_devices is not None:
+            jax.config.update("jax_num_cpu_devices", num_cpu_devices)
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+        heartbeat_timeout_seconds=heartbeat_timeout_s,
+        initialization_timeout=initialization_timeout_s,
+    )
+
+
+def _wait_for_coordinator(address: str, timeout_s: float) -> None:
+    """Returns once ``address`` accepts TCP connections; CoordinatorLostError after
+    ``timeout_s`` (else JAX would retry for its whole initialization timeout and then
+    abort the process)."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host or "127.0.0.1", int(port)), timeout=1.0):
+                return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise CoordinatorLostError(
+                    f"lsgd_jax.elastic.initialize: no coordination service at {address} "
+                    f"after {timeout_s} s ({e}); process 0 is gone (the run is over or "
+                    "failed) or not started. Start the job again with process 0."
+                ) from e
+            time.sleep(0.2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where this process sits in the current membership.
+
+    Attributes:
+      processes: the live processes, in the order of the mesh's rows (nodes).
+      row: this process's row (its position in ``processes``).
+      devices_per_process: devices (replicas) of each process.
+      epoch: the membership's number (0: the first; +1 on every change).
+      mesh: the mesh of this membership, axes ``("node", "local")``.
+    """
+
+    processes: tuple[int, ...]
+    row: int
+    devices_per_process: int
+    epoch: int
+    mesh: Mesh
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.processes) * self.devices_per_process
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One completed step.
+
+    Attributes:
+      step: the step's index.
+      live_processes: the processes that ran it.
+      loss: the mean loss over the live replicas.
+      recovery_s: on the first step completed after a failure or a membership change,
+        the seconds from the start of the first attempt at it to its end (else None).
+      failures: what went wrong on the attempts before (empty if none).
+    """
+
+    step: int
+    live_processes: tuple[int, ...]
+    loss: float
+    recovery_s: float | None
+    failures: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass
+class ElasticResult:
+    """What :meth:`ElasticLoop.run` returns.
+
+    Attributes:
+      params, opt_state: this process's per-replica state over ``layout.mesh``.
+      layout: the membership the last step ran on.
+      records: one :class:`StepRecord` per step this process completed.
+    """
+
+    params: Any
+    opt_state: Any
+    layout: Layout
+    records: list[StepRecord]
+
+
+class _Watchdog:
+    """Ends this process if one attempt takes longer than ``timeout_s`` (a stall that
+    heartbeats do not reveal, e.g. a data loader stuck in Python): the others then see
+    a dead process and go on, and a restarted one can join."""
+
+    def __init__(self, timeout_s: float | None) -> None:
+        self._timeout_s = timeout_s
+        self._deadline: float | None = None
+        self._label = ""
+        if timeout_s is not None:
+            threading.Thread(target=self._watch, daemon=True, name="lsgd-watchdog").start()
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(0.5)
+            deadline = self._deadline
+            if deadline is not None and time.monotonic() > deadline:
+                logger.error(
+                    "lsgd_jax.elastic: %s took more than stall_timeout_s=%s s; this process "
+                    "ends so that the others can go on without it.",
+                    self._label,
+                    self._timeout_s,
+                )
+                os._exit(75)
+
+    def arm(self, label: str) -> None:
+        if self._timeout_s is not None:
+            self._label, self._deadline = label, time.monotonic() + self._timeout_s
+
+    def disarm(self) -> None:
+        self._deadline = None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:300] if text else ''}"
+
+
+_FORBIDDEN_OPTIONS = ("donate", "axes", "with_model_state", "has_aux", "overlap")
+
+
+class ElasticLoop:
+    """A training loop that survives dead processes and takes restarted ones back.
+
+    Every process of the job builds the same loop and calls :meth:`run`. Each step runs
+    inside ``live_devices`` on a mesh of the live processes (one row, i.e. node, per
+    process), built per membership and cached with its compiled programs.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> loss`` (as for
+        :func:`~lsgd_jax.data_parallel_step`).
+      tx: the optimizer, e.g. ``optax.chain(post_local_sgd(...), optax.sgd(...),
+        model_averaging(...))``.
+      init_params: the initial params (the same on every process); a joining process
+        uses them only for their shapes.
+      batch_fn: ``batch_fn(step, layout) -> tree`` of this process's rows of the global
+        batch of ``step`` (``layout.devices_per_process`` times the rows per replica),
+        e.g. rows chosen by ``layout.row`` or by the process index.
+      step_options: more keyword arguments for ``data_parallel_step`` (e.g.
+        ``{"specialize": "switch"}``); donation and overlap are off (a retry needs the
+        state before the step), model state and aux are not supported yet.
+      stall_timeout_s: end this process if one step attempt takes longer (None: never).
+      max_failures: consecutive failed attempts after which :meth:`run` gives up.
+      on_step: called with each :class:`StepRecord` as the step completes.
+      on_attempt: called with ``(step, layout)`` as each attempt starts its step.
+
+    Example:
+      >>> import lsgd_jax.elastic as elastic
+      >>> loop = elastic.ElasticLoop(loss_fn, tx, params, batch_fn)  # doctest: +SKIP
+      >>> result = loop.run(100)                                     # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        loss_fn: Callable[..., Any],
+        tx: Any,
+        init_params: Any,
+        batch_fn: Callable[[int, Layout], Any],
+        *,
+        step_options: dict[str, Any] | None = None,
+        stall_timeout_s: float | None = 300.0,
+        max_failures: int = 20,
+        on_step: Callable[[StepRecord], None] | None = None,
+        on_attempt: Callable[[int, Layout], None] | None = None,
+    ) -> None:
+        bad = sorted(set(step_options or {}) & set(_FORBIDDEN_OPTIONS))
+        if bad:
+            raise ValueError(
+                f"ElasticLoop: step_options {bad} cannot be set: a retried step needs its "
+                "inputs (no donation), and model state, aux and overlap are not supported "
+                "by the elastic loop yet; remove them."
+            )
+        self._loss_fn, self._tx, self._init_params = loss_fn, tx, init_params
+        self._batch_fn, self._options = batch_fn, dict(step_options or {})
+        self._max_failures = _validate.positive_int(max_failures, "ElasticLoop: max_failures")
+        self._on_step, self._on_attempt = on_step, on_attempt
+        self._membership = _membership.Membership(timeout_s=120.0)
+        self._watchdog = _Watchdog(stall_timeout_s)
+        self._steps: dict[tuple[int, ...], Any] = {}
+        self._view: View | None = None  # the membership of the last committed attempt
+        self.layout: Layout | None = None
+        self._records_started = False
+        self._step = 0
+
+    # -- one attempt -------------------------------------------------------------
+    def _layout_for(self, view: View) -> Layout:
+        by_process: dict[int, list[Any]] = {p: [] for p in view.processes}
+        for d in sorted(jax.devices(), key=lambda d: d.id):
+            if d.process_index in by_process:
+                by_process[d.process_index].append(d)
+        rows = _membership.device_rows(view.epoch, by_process)
+        mesh = Mesh(np.array(rows, dtype=object), ("node", "local"))
+        me = jax.process_index()
+        row = next(i for i, r in enumerate(rows) if r[0].process_index == me)
+        return Layout(tuple(r[0].process_index for r in rows), row, len(rows[0]), view.epoch, mesh)
+
+    def _fresh(self, mesh: Mesh) -> tuple[Any, Any]:
+        from lsgd_jax._mesh import replicate
+
+        return replicate(self._init_params, mesh), replicate(self._tx.init(self._init_params), mesh)
+
+    def _adopt(self, state, step: int, view: View, layout: Layout) -> tuple[Any, int]:
+        """This process's state over the new mesh (healed if anyone joins), and its step."""
+        me, axes = jax.process_index(), ("node", "local")
+        joining = me in view.joining
+        if joining or state is None:
+            state, step = self._fresh(layout.mesh), view.step
+        else:
+            state = tuple(_heal.reshard(x, layout.mesh, axes) for x in state)
+            if step != view.step:
+                raise RuntimeError(
+                    f"lsgd_jax.elastic: process {me} is at step {step} but the survivors "
+                    f"are at step {view.step}; this is a bug, please report it."
+                )
+        if view.joining:
+            state = _heal.heal(*state, layout.mesh, axes, joining=joining, source=me == 0)
+        return state, step
+
+    def _attempt(self, state, step: int, work: Callable[..., Any]):
+        from jax.experimental import multihost_utils as mh
+
+        # One barrier per attempt, at its end (live_devices caches the set it found
+        # there for the next entry): a process that (re)starts has no cached set, so
+        # its entry barrier meets the others' exit barrier, and from then on every
+        # process runs the same attempts in the same phase. (Resetting the cache would
+        # add an entry barrier that a newcomer's first barrier could pair with instead.)
+        with mh.live_devices(jax.devices()):
+            incarnation = mh.live_devices.devices
+            members = tuple(sorted({(d.process_index, int(i)) for d, i in incarnation.items()}))
+            if 0 not in {p for p, _ in members}:
+                raise CoordinatorLostError(
+                    "lsgd_jax.elastic: process 0 (the coordination service's host) is "
+                    "gone; the run cannot continue. Restart the job (from a checkpoint)."
+                )
+            view = self._membership.agree(members, step, jax.process_index(), self._view)
+            changed = self._view is None or view.epoch != self._view.epoch
+            layout = self._layout_for(view) if changed else self.layout
+            if changed:
+                state, step = self._adopt(state, step, view, layout)
+            out = jax.block_until_ready(work(state, step, layout))
+        self._view, self.layout = view, layout
+        return out, step, changed
+
+    def _step_fn(self, layout: Layout):
+        from lsgd_jax._step import data_parallel_step
+
+        key = tuple(d.id for d in layout.mesh.devices.flat)
+        if key not in self._steps:
+            self._steps[key] = data_parallel_step(
+                self._loss_fn, self._tx, layout.mesh, donate=False, overlap=False, **self._options
+            )
+        return self._steps[key]
+
+    def _train_work(self, state, step: int, layout: Layout):
+        if self._on_attempt is not None:
+            self._on_attempt(step, layout)
+        sharding = NamedSharding(layout.mesh, P(("node", "local")))
+        local = self._batch_fn(step, layout)
+        batch = jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), local)
+        params, opt_state, loss = self._step_fn(layout)(*state, batch)
+        return params, opt_state, loss
+
+    # -- the loop ----------------------------------------------------------------
+    def _retrying(self, label: str, state, step: int, work: Callable[..., Any]):
+        """Runs ``work`` in attempts until one succeeds on every live process."""
+        failures: list[str] = []
+        start = time.perf_counter()
+        while True:
+            self._watchdog.arm(f"{label} (step {step})")
+            try:
+                out, new_step, changed = self._attempt(state, step, work)
+            except CoordinatorLostError:
+                raise
+            except Exception as e:  # a dead peer, a timed-out collective, a new member
+                failures.append(f"step {step}: {_first_line(e)}")
+                logger.warning("lsgd_jax.elastic: %s failed (%s); retrying.", label, failures[-1])
+                if len(failures) >= self._max_failures:
+                    raise RuntimeError(
+                        f"lsgd_jax.elastic: {label} failed {len(failures)} times in a row "
+                        f"(max_failures); the last: {failures[-1]}"
+                    ) from e
+                continue
+            finally:
+                self._watchdog.disarm()
+            disturbed = bool(failures) or (changed and self._records_started)
+            recovery = time.perf_counter() - start if disturbed else None
+            return out, new_step, recovery, tuple(failures)
+
+    def run(self, num_steps: int, *, first_step: int = 0) -> ElasticResult:
+        """Trains until step ``num_steps`` through failures and rejoins.
+
+        Args:
+          num_steps: the step to stop at (a joining process stops there too).
+          first_step: the step to start from (e.g. after restoring a checkpoint).
+
+        Returns:
+          An :class:`ElasticResult` with this process's state and its records.
+        """
+        _validate.positive_int(num_steps, "ElasticLoop.run: num_steps")
+        state, step, records = None, first_step, []
+        self._records_started = False
+        while step < num_steps:
+            (params, opt_state, loss), step, recovery, failures = self._retrying(
+                "training step", state, step, self._train_work
+            )
+            state = (params, opt_state)
+            record = StepRecord(step, self.layout.processes, float(loss), recovery, failures)
+            if failures or recovery is not None:
+                logger.warning(
+                    "lsgd_jax.elastic: step %d completed on processes %s after %s "
+                    "(recovery %.2f s)",
+                    step,
+                    list(record.live_processes),
+                    "; ".join(failures) or "a membership change",
+                    recovery or 0.0,
+                )
+            records.append(record)
+            self._records_started = True
+            if self._on_step is not None:
+                self._on_step(record)
+            step += 1
+        self._state, self._step = state, step
+        return ElasticResult(state[0], state[1], self.layout, records)
+
+    def consensus(self, result: ElasticResult) -> Any:
+        """The mean of the live replicas' params (a collective: every live process calls
+        it), retried through failures like a step.
+
+        Args:
+          result: what :meth:`run` returned.
+
+        Returns:
+          The params without the replica axis, on every process.
+        """
+        from lsgd_jax._mesh import consensus
+
+        def work(state, step, layout):
+            return consensus(state[0])
+
+        state = (result.params, result.opt_state)
+        out, _, _, _ = self._retrying("consensus", state, self._step, work)
+        return out
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Leaves the run cleanly: process 0 hosts the coordination service, so it waits
+        (up to ``timeout_s``) until every other live process has said it is done.
+
+        Args:
+          timeout_s: how long process 0 waits for the others.
+
+        Returns:
+          None.
+        """
+        c, me = _membership.client(), jax.process_index()
+        if me != 0:
+            c.key_value_set(f"{_membership.PREFIX}/done/{me}", "1", allow_overwrite=True)
+        else:
+            for p in self.layout.processes if self.layout is not None else ():
+                if p != 0:
+                    try:
+                        c.blocking_key_value_get(
+                            f"{_membership.PREFIX}/done/{p}", int(timeout_s * 1000)
+                        )
+                    except Exception:  # a process that died after its last step
+                        logger.warning("lsgd_jax.elastic: process %d did not say done", p)
+        jax.distributed.shutdown()
