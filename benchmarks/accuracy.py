@@ -284,7 +284,7 @@ def wire_bytes(report: Any, schedule: digits_cnn.Schedule, steps: int) -> int:
     estimate for ring all-reduce etc.), charged by phase like ``per_step_bytes``."""
     branch: dict[int, int] = {}
     always = 0
-    for c in report.where(axes=digits_cnn.CROSS_NODE):
+    for c in digits_cnn.crossing_nodes(report):
         if c.conditional:
             branch[c.branch] = branch.get(c.branch, 0) + c.wire_bytes
         else:

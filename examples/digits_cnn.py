@@ -64,6 +64,12 @@ QUICK = ["--steps", "48", "--start", "16", "--eval-every", "16", "--width", "8"]
 CROSS_NODE = ("node", "local")
 
 
+def crossing_nodes(report: Any) -> Any:
+    """The collectives of ``report`` whose groups span nodes: over both axes, or over
+    ``"node"`` alone (a two-level mean's step between nodes)."""
+    return report.__class__(c for c in report if "node" in c.axes)
+
+
 def setup_cpu_devices(n: int = 8) -> None:
     """Asks for ``n`` simulated CPU devices; call before JAX starts its backend."""
     if jax.config.jax_platforms in (None, "", "cpu"):
@@ -270,7 +276,7 @@ def schedule_of(opt_state: Any, report: Any, params: Any) -> Schedule:
     """
     hook = _hook_state(opt_state)
     branch_bytes: dict[int, int] = {}
-    cross = report.where(axes=CROSS_NODE)
+    cross = crossing_nodes(report)
     for c in cross:
         if c.conditional:
             branch_bytes[c.branch] = branch_bytes.get(c.branch, 0) + c.bytes

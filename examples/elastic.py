@@ -19,6 +19,8 @@ stops P with SIGSTOP instead (alive but stuck); the launcher SIGKILLs it at the 
 (``{"process", "step", "live_processes", "loss", "recovery_s"}``) and one final line
 per process (``{"process", "final": true, "consensus_sha256", "test_accuracy"}``).
 The launcher exits 0 when the survivors (and any restarted process) finish all steps.
+A process that aborts (SIGABRT) while process 0 lives counts as dead, not as a failed
+survivor: gloo may abort a process whose collective a dying peer left half done.
 """
 
 from __future__ import annotations
@@ -66,6 +68,13 @@ def parse(argv=None):
         help="seconds of simulated compute added to every step (widens the windows in "
         "which to kill and restart)",
     )
+    ap.add_argument(
+        "--platform",
+        choices=["cpu", "gpu"],
+        default="cpu",
+        help="gpu: each process takes --devices-per-process GPUs of this host (process p: "
+        "GPUs p*M ... p*M+M-1), with the NCCL flags of JAX's fault-tolerance guide",
+    )
     ap.add_argument("--heartbeat", type=int, default=3, help="heartbeat timeout (s)")
     ap.add_argument("--collective-timeout", type=int, default=5, help="seconds")
     ap.add_argument("--stall-timeout", type=float, default=120.0, help="watchdog (s)")
@@ -110,7 +119,13 @@ def worker(args) -> None:
         f"127.0.0.1:{args.port}",
         args.processes,
         args.process_id,
-        num_cpu_devices=args.devices_per_process,
+        platform=args.platform,
+        num_cpu_devices=args.devices_per_process if args.platform == "cpu" else None,
+        local_device_ids=None
+        if args.platform == "cpu"
+        else [
+            args.process_id * args.devices_per_process + k for k in range(args.devices_per_process)
+        ],
         heartbeat_timeout_s=args.heartbeat,
         collective_timeout_s=args.collective_timeout,
     )
@@ -241,9 +256,15 @@ class _Launcher:
 
     def act(self, kills, restarts, stalls) -> None:
         for p, proc in self.procs.items():
-            if proc.poll() == 3 and p not in self.gone:  # a --die
+            code = proc.poll()
+            if code == 3 and p not in self.gone:  # a --die
                 self.gone.add(p)
                 print(f"elastic.py: process {p} exited by itself (--die)", flush=True)
+            elif code == -signal.SIGABRT and p not in self.gone and 0 not in self.gone:
+                # gloo can abort a process whose collective meets a peer that died in
+                # the middle of it: one more dead process, which the others survive.
+                self.gone.add(p)
+                print(f"elastic.py: process {p} aborted (SIGABRT); the others go on", flush=True)
         for p, k in list(kills):
             if self.started >= k:
                 self.procs[p].kill()

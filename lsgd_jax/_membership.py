@@ -134,6 +134,12 @@ def _permutation(index: int, items: list[Any]) -> list[Any]:
 def device_rows(epoch: int, devices_by_process: dict[int, list[Any]]) -> list[list[Any]]:
     """The mesh rows (one per process) of an epoch: a device order no other epoch uses.
 
+    Every device group of the mesh (a process's devices, one device of each process)
+    gets its own gloo communicator, keyed by its ordered devices, and a failed attempt
+    can leave one dirty. So consecutive epochs change every process's local order
+    (the lowest digit, shared by all processes) before the order of the rows, and then
+    the per-process offsets: all ``n! * (d!)**n`` orders come before one repeats.
+
     Args:
       epoch: the membership's number.
       devices_by_process: each live process's devices, in their usual order.
@@ -142,11 +148,14 @@ def device_rows(epoch: int, devices_by_process: dict[int, list[Any]]) -> list[li
       One list of devices per live process; epoch 0 keeps every order as given.
     """
     procs = sorted(devices_by_process)
-    d = len(devices_by_process[procs[0]])
-    index = epoch % (math.factorial(len(procs)) * math.factorial(d) ** len(procs))
-    index, rows_digit = divmod(index, math.factorial(len(procs)))
+    n, fd = len(procs), math.factorial(len(devices_by_process[procs[0]]))
+    index = epoch % (math.factorial(n) * fd**n)
+    index, shared = divmod(index, fd)
+    index, rows_digit = divmod(index, math.factorial(n))
     rows = []
-    for p in _permutation(rows_digit, procs):
-        index, digit = divmod(index, math.factorial(d))
-        rows.append(_permutation(digit, list(devices_by_process[p])))
+    for i, p in enumerate(_permutation(rows_digit, procs)):
+        offset = 0
+        if i > 0:
+            index, offset = divmod(index, fd)
+        rows.append(_permutation((shared + offset) % fd, list(devices_by_process[p])))
     return rows

@@ -112,7 +112,7 @@ def _overlap_position(opt_state: Any) -> int | None:
     return delayed[0]
 
 
-def _check_batch(batch: Any, n: int, axes: tuple[str, ...]) -> None:
+def _check_batch(batch: Any, n: int, axes: tuple[str, ...], processes: int) -> None:
     for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
         shape = jnp.shape(x)
         if not shape or shape[0] % n:
@@ -121,12 +121,10 @@ def _check_batch(batch: Any, n: int, axes: tuple[str, ...]) -> None:
                 f"leading (batch) axis must divide by the {n} replicas. Use a global batch "
                 f"size that is a multiple of {n}."
             )
-        if jax.process_count() > 1 and not (
-            isinstance(x, jax.Array) and not x.is_fully_addressable
-        ):
+        if processes > 1 and not (isinstance(x, jax.Array) and not x.is_fully_addressable):
             warnings.warn(
                 f"data_parallel_step: batch leaf {_path_name(path)} is a host-local array "
-                f"on a run of {jax.process_count()} processes, so it is taken as the GLOBAL "
+                f"on a mesh of {processes} processes, so it is taken as the GLOBAL "
                 "batch (each device reads its rows of it, from its own process's copy): "
                 "with different data on each process, most of it is silently dropped. Feed "
                 "each process's own rows with jax.make_array_from_process_local_data("
@@ -450,7 +448,9 @@ class DataParallelStep:
         self._calls += 1
         if not self._outputs.same(params, model_state, opt_state):  # else: checked, alive
             self._check(params, model_state, opt_state)
-        _check_batch(batch, _num_replicas(self._spec.mesh, self._spec.axes), self._spec.axes)
+        mesh = self._spec.mesh
+        processes = len({d.process_index for d in mesh.devices.flat})
+        _check_batch(batch, _num_replicas(mesh, self._spec.axes), self._spec.axes, processes)
         mode = self._mode(opt_state)
         lands, starts = False, 0
         if self._overlap is not None and isinstance(mode, int):

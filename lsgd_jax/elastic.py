@@ -87,6 +87,7 @@ def initialize(
     *,
     platform: str = "cpu",
     num_cpu_devices: int | None = None,
+    local_device_ids: list[int] | None = None,
     heartbeat_timeout_s: int = 3,
     collective_timeout_s: int = 5,
     initialization_timeout_s: int = 60,
@@ -104,6 +105,8 @@ def initialize(
       process_id: this process's index; a restarted process reuses its old index.
       platform: ``"cpu"`` or ``"gpu"``.
       num_cpu_devices: CPU devices for this process (CPU only; default JAX's).
+      local_device_ids: the GPUs this process uses (e.g. ``[process_id]`` for one
+        process per GPU on one host); default all it sees.
       heartbeat_timeout_s: seconds without heartbeats after which a process is dead.
       collective_timeout_s: seconds a collective waits for a missing peer (CPU).
       initialization_timeout_s: seconds to wait for the coordinator (a process started
@@ -145,6 +148,7 @@ def initialize(
         coordinator_address=coordinator_address,
         num_processes=num_processes,
         process_id=process_id,
+        local_device_ids=local_device_ids,
         heartbeat_timeout_seconds=heartbeat_timeout_s,
         initialization_timeout=initialization_timeout_s,
     )
@@ -260,6 +264,25 @@ class _Watchdog:
 
     def disarm(self) -> None:
         self._deadline = None
+
+
+def _settle(tree: Any) -> Any:
+    """Waits for every device's part of ``tree``; the first error after all are done.
+
+    After a failed collective, a process's other devices may still be running the
+    step (until their own collectives fail or time out); the next attempt must not
+    start while they do, or their late messages reach a communicator in use.
+    """
+    error = None
+    for leaf in jax.tree.leaves(tree):
+        for shard in getattr(leaf, "addressable_shards", ()):
+            try:
+                shard.data.block_until_ready()
+            except Exception as e:
+                error = error or e
+    if error is not None:
+        raise error
+    return jax.block_until_ready(tree)
 
 
 def _first_line(e: BaseException) -> str:
@@ -388,7 +411,7 @@ class ElasticLoop:
             layout = self._layout_for(view) if changed else self.layout
             if changed:
                 state, step = self._adopt(state, step, view, layout)
-            out = jax.block_until_ready(work(state, step, layout))
+            out = _settle(work(state, step, layout))
         self._view, self.layout = view, layout
         return out, step, changed
 
@@ -493,11 +516,12 @@ class ElasticLoop:
         return out
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Leaves the run cleanly: process 0 hosts the coordination service, so it waits
-        (up to ``timeout_s``) until every other live process has said it is done.
+        """Leaves the run cleanly. Process 0 hosts the coordination service, so it leaves
+        last: it waits (up to ``timeout_s``) until every other live process has said it
+        is done and has disconnected; if it left first, JAX would end the others.
 
         Args:
-          timeout_s: how long process 0 waits for the others.
+          timeout_s: how long process 0 waits for the others to say they are done.
 
         Returns:
           None.
@@ -505,13 +529,15 @@ class ElasticLoop:
         c, me = _membership.client(), jax.process_index()
         if me != 0:
             c.key_value_set(f"{_membership.PREFIX}/done/{me}", "1", allow_overwrite=True)
-        else:
-            for p in self.layout.processes if self.layout is not None else ():
-                if p != 0:
-                    try:
-                        c.blocking_key_value_get(
-                            f"{_membership.PREFIX}/done/{p}", int(timeout_s * 1000)
-                        )
-                    except Exception:  # a process that died after its last step
-                        logger.warning("lsgd_jax.elastic: process %d did not say done", p)
+            jax.distributed.shutdown()
+            return
+        others = [p for p in (self.layout.processes if self.layout else ()) if p != 0]
+        for p in others:
+            try:
+                c.blocking_key_value_get(f"{_membership.PREFIX}/done/{p}", int(timeout_s * 1000))
+            except Exception:  # a process that died after its last step
+                logger.warning("lsgd_jax.elastic: process %d did not say it is done", p)
+        # A barrier of the live ones among them: it returns once the others have
+        # disconnected (or their heartbeats stopped).
+        c.get_live_nodes([0, *others])
         jax.distributed.shutdown()

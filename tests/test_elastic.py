@@ -74,3 +74,96 @@ def test_an_undisturbed_run_agrees_on_one_model(tmp_path):
     assert all(r["recovery_s"] is None for r in records if "step" in r)
     assert all(r["live_processes"] == [0, 1, 2] for r in records if "step" in r)
     check_finished_together(records, [0, 1, 2], out)
+
+
+def survivors_went_on(records, failed, out, steps=STEPS):
+    """Every survivor ran every step once; from the failure on, without ``failed``.
+
+    Survivors are the processes that finished: gloo may abort a process whose
+    collective the failing one left half done (the launcher says so and counts it as
+    dead), but process 0 must always be among them.
+    """
+    survivors = sorted(finals(records))
+    assert 0 in survivors and failed not in survivors, out[-3000:]
+    assert len(survivors) == 2 or "aborted (SIGABRT)" in out, out[-3000:]
+    for p in survivors:
+        assert steps_of(records, p) == list(range(steps)), steps_of(records, p)
+    disturbed = [r for r in records if "step" in r and r["recovery_s"] is not None]
+    assert {r["process"] for r in disturbed} == set(survivors), disturbed
+    assert all(failed not in r["live_processes"] for r in disturbed)
+    first = min(r["step"] for r in disturbed)
+    return survivors, first, max(r["recovery_s"] for r in disturbed if r["step"] == first)
+
+
+@pytest.mark.parametrize("where", ["between", "inside"])
+def test_a_process_that_dies_between_or_inside_steps_is_left_behind(tmp_path, where):
+    code, _, records, out = launch(tmp_path, "--die", f"2@8:{where}")
+    assert code == 0, out[-3000:]
+    survivors, step, recovery = survivors_went_on(records, 2, out)
+    assert step == 8
+    assert steps_of(records, 2) == list(range(8))
+    # Found by the collective timeout (5 s) or the heartbeat (3 s), then one barrier.
+    assert recovery < 30, recovery
+    check_finished_together(records, survivors, out)
+
+
+def test_a_process_killed_by_the_launcher_mid_run(tmp_path):
+    code, _, records, out = launch(tmp_path, "--kill", "1@8", "--step-time", "0.05")
+    assert code == 0, out[-3000:]
+    survivors, step, _ = survivors_went_on(records, 1, out)
+    assert step >= 8
+    check_finished_together(records, survivors, out)
+
+
+def test_a_stuck_process_is_treated_as_dead(tmp_path):
+    # SIGSTOP: alive to the operating system, but no heartbeats and no collectives.
+    code, _, records, out = launch(tmp_path, "--stall", "2@8", "--step-time", "0.05")
+    assert code == 0, out[-3000:]
+    survivors, step, _ = survivors_went_on(records, 2, out)
+    assert step >= 8
+    check_finished_together(records, survivors, out)
+
+
+def test_a_restarted_process_rejoins_and_ends_with_the_same_model(tmp_path):
+    steps = 40
+    code, _, records, out = launch(
+        tmp_path, "--kill", "2@8", "--restart", "2@10", "--step-time", "0.15", steps=steps
+    )
+    assert code == 0, out[-3000:]
+    for p in (0, 1):
+        assert steps_of(records, p) == list(range(steps))
+    mine = steps_of(records, 2)
+    first_back = next(s for a, s in zip(mine, mine[1:]) if s != a + 1)
+    before, after = mine[: mine.index(first_back)], mine[mine.index(first_back) :]
+    assert before == list(range(len(before))) and len(before) <= 9
+    assert after == list(range(first_back, steps)) and first_back > 10
+    back = [r for r in records if r.get("step") == first_back]
+    assert {r["process"] for r in back} == {0, 1, 2}
+    assert all(sorted(r["live_processes"]) == [0, 1, 2] for r in back)
+    assert len({r["loss"] for r in back}) == 1  # one step, one mean loss
+    check_finished_together(records, [0, 1, 2], out)
+
+
+def test_when_process_0_dies_every_process_ends_quickly(tmp_path):
+    # Process 0 hosts the coordination service: JAX ends the others (SIGABRT) at once.
+    code, seconds, _, out = launch(tmp_path, "--kill", "0@8", "--step-time", "0.05")
+    assert code == 1
+    assert "processes ended with" in out and "-6" in out, out[-3000:]
+    assert "leader task was preempted/died" in out
+    assert seconds < 90
+
+
+def test_a_process_started_without_a_coordinator_fails_clearly(tmp_path):
+    from multiprocess import free_port
+
+    code = (
+        "import lsgd_jax.elastic as e\n"
+        f"e.initialize('127.0.0.1:{free_port()}', 2, 1, initialization_timeout_s=2)\n"
+    )
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=worker_env(), timeout=60
+    )
+    assert proc.returncode == 1
+    assert "CoordinatorLostError" in proc.stderr and "process 0 is gone" in proc.stderr
+    assert time.monotonic() - t0 < 30

@@ -129,7 +129,7 @@ def test_restoring_different_steps_fails_on_every_process_instead_of_hanging(res
         )
         warned = [w for w in info["host_batch_warnings"] if "host-local" in w]
         assert len(warned) == 2  # leaves 'x' and 'y'
-        assert "batch leaf ['x'] is a host-local array on a run of 2 processes" in warned[0]
+        assert "batch leaf ['x'] is a host-local array on a mesh of 2 processes" in warned[0]
         assert "jax.make_array_from_process_local_data" in warned[0]
 
 

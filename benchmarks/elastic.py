@@ -1,0 +1,102 @@
+"""What a failure costs an elastic run: recovery time, steps lost, final accuracy.
+
+Runs ``examples/elastic.py`` (3 processes x 2 CPU devices, digits MLP, post-local SGD)
+undisturbed and with one failure of each kind, several times, and prints a table::
+
+    python benchmarks/elastic.py --reps 3 --steps 300
+
+Recovery is the time from the start of the first attempt at the step that met the
+failure (or the new membership) to that step's completion on the survivors, as the
+loop records it (``StepRecord.recovery_s``). Steps lost: steps some survivor never
+completed (the failed attempt is retried, so the goal is none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+SCENARIOS = {
+    "undisturbed": [],
+    "dies between steps": ["--die", "2@{k}:between"],
+    "dies inside a step (mid-collective)": ["--die", "2@{k}:inside"],
+    "SIGKILL by the launcher": ["--kill", "2@{k}"],
+    "SIGSTOP (stuck)": ["--stall", "2@{k}"],
+    "SIGKILL, restarted 10 steps later": ["--kill", "2@{k}", "--restart", "2@{r}"],
+}
+
+
+def run(name: str, steps: int, step_time: float) -> dict:
+    k = steps // 3
+    extra = [a.format(k=k, r=k + 10) for a in SCENARIOS[name]]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = pathlib.Path(tmp) / "run.jsonl"
+        cmd = [sys.executable, str(ROOT / "examples" / "elastic.py"), "--processes", "3"]
+        cmd += ["--devices-per-process", "2", "--steps", str(steps), "--json", str(out)]
+        cmd += ["--step-time", str(step_time), "--timeout", "400", *extra]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=460)
+        records = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
+    finals = {r["process"]: r for r in records if r.get("final")}
+    steps_done = {}
+    for r in records:
+        if "step" in r:
+            steps_done.setdefault(r["process"], set()).add(r["step"])
+    survivors = [p for p in finals]
+    lost = sum(len(set(range(steps)) - steps_done.get(p, set())) for p in survivors if p != 2)
+    recoveries = [r["recovery_s"] for r in records if r.get("recovery_s") is not None]
+    return {
+        "scenario": name,
+        "exit": proc.returncode,
+        "recovery_s": max(recoveries) if recoveries else None,
+        "steps_lost": lost,
+        "one_model": len({f["consensus_sha256"] for f in finals.values()}) == 1,
+        "processes_at_end": len(finals),
+        "accuracy": statistics.mean(f["test_accuracy"] for f in finals.values())
+        if finals
+        else None,
+    }
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--step-time", type=float, default=0.02)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    rows = []
+    for name in SCENARIOS:
+        for rep in range(args.reps):
+            row = run(name, args.steps, args.step_time)
+            print(f"  {name}, rep {rep}: {row}", flush=True)
+            rows.append(row)
+    print()
+    print(
+        "| scenario | exit 0 | recovery (s), median [min, max] | steps lost | one model | "
+        "processes at the end | test accuracy (mean) |"
+    )
+    print("|---|---:|---|---:|---|---:|---:|")
+    for name in SCENARIOS:
+        rs = [r for r in rows if r["scenario"] == name]
+        rec = [r["recovery_s"] for r in rs if r["recovery_s"] is not None]
+        rec_text = f"{statistics.median(rec):.2f} [{min(rec):.2f}, {max(rec):.2f}]" if rec else "-"
+        accs = [r["accuracy"] for r in rs if r["accuracy"] is not None]
+        print(
+            f"| {name} | {sum(r['exit'] == 0 for r in rs)}/{len(rs)} | {rec_text} | "
+            f"{sum(r['steps_lost'] for r in rs)} | {all(r['one_model'] for r in rs)} | "
+            f"{statistics.median(r['processes_at_end'] for r in rs):.0f} | "
+            f"{100 * statistics.mean(accs):.1f} |"
+        )
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
