@@ -30,12 +30,26 @@ SCENARIOS = {
     "SIGKILL by the launcher": ["--kill", "2@{k}"],
     "SIGSTOP (stuck)": ["--stall", "2@{k}"],
     "SIGKILL, restarted 10 steps later": ["--kill", "2@{k}", "--restart", "2@{r}"],
+    "stuck in Python (watchdog 10 s)": ["--die", "2@{k}:hang", "--stall-timeout", "10"],
+    "two kills, two restarts, one more kill": [
+        "--kill",
+        "2@{k}",
+        "--restart",
+        "2@{r}",
+        "--kill",
+        "1@{k2}",
+        "--restart",
+        "1@{r2}",
+        "--kill",
+        "2@{k3}",
+    ],
 }
 
 
 def run(name: str, steps: int, step_time: float) -> dict:
     k = steps // 3
-    extra = [a.format(k=k, r=k + 10) for a in SCENARIOS[name]]
+    marks = {"k": k, "r": k + 10, "k2": 2 * k - 30, "r2": 2 * k - 20, "k3": 2 * k + 30}
+    extra = [a.format(**marks) for a in SCENARIOS[name]]
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp) / "run.jsonl"
         cmd = [sys.executable, str(ROOT / "examples" / "elastic.py"), "--processes", "3"]
@@ -48,8 +62,13 @@ def run(name: str, steps: int, step_time: float) -> dict:
     for r in records:
         if "step" in r:
             steps_done.setdefault(r["process"], set()).add(r["step"])
-    survivors = [p for p in finals]
-    lost = sum(len(set(range(steps)) - steps_done.get(p, set())) for p in survivors if p != 2)
+    # Steps lost: steps a process that ran to the end never completed, counted from its
+    # last (re)join (a joiner skips the steps it was away by design).
+    lost = 0
+    for p in finals:
+        done = sorted(steps_done.get(p, ()))
+        back = max([s for a, s in zip(done, done[1:]) if s != a + 1] or [0])
+        lost += len(set(range(back, steps)) - set(done))
     recoveries = [r["recovery_s"] for r in records if r.get("recovery_s") is not None]
     return {
         "scenario": name,
@@ -75,7 +94,10 @@ def main(argv=None) -> None:
     for name in SCENARIOS:
         for rep in range(args.reps):
             row = run(name, args.steps, args.step_time)
-            print(f"  {name}, rep {rep}: {row}", flush=True)
+            shown = {k: v for k, v in row.items() if k != "log_tail"}
+            print(f"  {name}, rep {rep}: {shown}", flush=True)
+            if row["log_tail"]:
+                print(row["log_tail"], flush=True)
             rows.append(row)
     print()
     print(
@@ -93,6 +115,8 @@ def main(argv=None) -> None:
             f"{sum(r['steps_lost'] for r in rs)} | {all(r['one_model'] for r in rs)} | "
             f"{statistics.median(r['processes_at_end'] for r in rs):.0f} | "
             f"{100 * statistics.mean(accs):.1f} |"
+            if accs
+            else "- |"
         )
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -55,7 +55,8 @@ def parse(argv=None):
         default=[],
         metavar="P@K:WHERE",
         help="process P exits by itself at step K, 'between' steps (after step K-1) or "
-        "'inside' step K (after the barrier, as the others enter its collectives)",
+        "'inside' step K (after the barrier, as the others enter its collectives), or "
+        "'hang's inside step K (stuck in Python, heartbeats going on: the watchdog ends it)",
     )
     ap.add_argument("--json", default=None, metavar="FILE")
     ap.add_argument("--start", type=int, default=10, help="start_localSGD_iter")
@@ -156,6 +157,8 @@ def worker(args) -> None:
         emit(events, {"process": me, "start": step})
         if dies.get((step, "inside")):
             os._exit(3)
+        if dies.get((step, "hang")):  # stuck in Python: heartbeats go on, the step never ends
+            time.sleep(10**6)
         time.sleep(args.step_time)
         rng = np.random.default_rng([step, me])
         idx = rng.choice(len(xs), rows * layout.devices_per_process, replace=False)
@@ -257,9 +260,10 @@ class _Launcher:
     def act(self, kills, restarts, stalls) -> None:
         for p, proc in self.procs.items():
             code = proc.poll()
-            if code == 3 and p not in self.gone:  # a --die
+            if code in (3, 75) and p not in self.gone:  # a --die, or its watchdog
                 self.gone.add(p)
-                print(f"elastic.py: process {p} exited by itself (--die)", flush=True)
+                why = "(--die)" if code == 3 else "(its watchdog: stall_timeout_s)"
+                print(f"elastic.py: process {p} exited by itself {why}", flush=True)
             elif code == -signal.SIGABRT and p not in self.gone and 0 not in self.gone:
                 # gloo can abort a process whose collective meets a peer that died in
                 # the middle of it: one more dead process, which the others survive.

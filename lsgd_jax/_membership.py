@@ -121,6 +121,37 @@ class Membership:
         return View.from_json(c.blocking_key_value_get(key, self._timeout_ms))
 
 
+def forget_own_gloo_keys(device_ids: set[int]) -> list[str]:
+    """Deletes the gloo rendezvous keys of groups made only of this process's devices.
+
+    A restarted process cannot register a communicator whose key its dead incarnation
+    left in the coordination service's store (``ALREADY_EXISTS``). Groups of its own
+    devices alone (the node-local mean) are used by no other process, so their keys can
+    go; groups with other processes' devices get new keys from the epoch's new order.
+
+    Args:
+      device_ids: the ids of this process's devices.
+
+    Returns:
+      The deleted key prefixes.
+    """
+    c, prefix, gone = client(), "cpu:gloo/", []
+    try:
+        entries = c.key_value_dir_get_bytes(prefix)
+    except Exception:  # no such directory: nothing was registered yet
+        return gone
+    for key, _ in entries:
+        group = key[len(prefix) :].rsplit("/", 1)[0]
+        try:
+            ids = {int(x) for x in group.split(",")}
+        except ValueError:
+            continue
+        if ids <= device_ids and prefix + group not in gone:
+            c.key_value_delete(prefix + group)
+            gone.append(prefix + group)
+    return gone
+
+
 def _permutation(index: int, items: list[Any]) -> list[Any]:
     """The ``index``-th permutation of ``items`` (factorial number system; 0: as is)."""
     items, out = list(items), []

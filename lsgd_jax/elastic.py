@@ -313,7 +313,9 @@ class ElasticLoop:
       step_options: more keyword arguments for ``data_parallel_step`` (e.g.
         ``{"specialize": "switch"}``); donation and overlap are off (a retry needs the
         state before the step), model state and aux are not supported yet.
-      stall_timeout_s: end this process if one step attempt takes longer (None: never).
+      stall_timeout_s: end this process if one attempt's own work (everything but the
+        barrier that waits for the others) takes longer (None: never); keep it above
+        the collective timeout and the first step's compile time.
       max_failures: consecutive failed attempts after which :meth:`run` gives up.
       on_step: called with each :class:`StepRecord` as the step completes.
       on_attempt: called with ``(step, layout)`` as each attempt starts its step.
@@ -349,6 +351,7 @@ class ElasticLoop:
         self._max_failures = _validate.positive_int(max_failures, "ElasticLoop: max_failures")
         self._on_step, self._on_attempt = on_step, on_attempt
         self._membership = _membership.Membership(timeout_s=120.0)
+        _membership.forget_own_gloo_keys({d.id for d in jax.local_devices()})
         self._watchdog = _Watchdog(stall_timeout_s)
         self._steps: dict[tuple[int, ...], Any] = {}
         self._view: View | None = None  # the membership of the last committed attempt
@@ -390,7 +393,7 @@ class ElasticLoop:
             state = _heal.heal(*state, layout.mesh, axes, joining=joining, source=me == 0)
         return state, step
 
-    def _attempt(self, state, step: int, work: Callable[..., Any]):
+    def _attempt(self, state, step: int, work: Callable[..., Any], label: str):
         from jax.experimental import multihost_utils as mh
 
         # One barrier per attempt, at its end (live_devices caches the set it found
@@ -406,12 +409,28 @@ class ElasticLoop:
                     "lsgd_jax.elastic: process 0 (the coordination service's host) is "
                     "gone; the run cannot continue. Restart the job (from a checkpoint)."
                 )
-            view = self._membership.agree(members, step, jax.process_index(), self._view)
-            changed = self._view is None or view.epoch != self._view.epoch
-            layout = self._layout_for(view) if changed else self.layout
-            if changed:
-                state, step = self._adopt(state, step, view, layout)
-            out = _settle(work(state, step, layout))
+            # The watchdog times the body only: waiting in the barrier for a peer's
+            # failure to be detected is not a stall of this process.
+            self._watchdog.arm(f"{label} (step {step})")
+            try:
+                view = self._membership.agree(members, step, jax.process_index(), self._view)
+                changed = self._view is None or view.epoch != self._view.epoch
+                layout = self._layout_for(view) if changed else self.layout
+                if changed:
+                    state, step = self._adopt(state, step, view, layout)
+                out = _settle(work(state, step, layout))
+            finally:
+                self._watchdog.disarm()
+        if changed and self._view is not None:
+            before, now = set(self._view.processes), set(view.processes)
+            logger.warning(
+                "lsgd_jax.elastic: from step %d on, processes %s (epoch %d): %s left, %s joined",
+                step,
+                list(layout.processes),
+                view.epoch,
+                sorted(before - now) or "none",
+                sorted(view.joining) or "none",
+            )
         self._view, self.layout = view, layout
         return out, step, changed
 
@@ -440,9 +459,8 @@ class ElasticLoop:
         failures: list[str] = []
         start = time.perf_counter()
         while True:
-            self._watchdog.arm(f"{label} (step {step})")
             try:
-                out, new_step, changed = self._attempt(state, step, work)
+                out, new_step, changed = self._attempt(state, step, work, label)
             except CoordinatorLostError:
                 raise
             except Exception as e:  # a dead peer, a timed-out collective, a new member
@@ -454,8 +472,6 @@ class ElasticLoop:
                         f"(max_failures); the last: {failures[-1]}"
                     ) from e
                 continue
-            finally:
-                self._watchdog.disarm()
             disturbed = bool(failures) or (changed and self._records_started)
             recovery = time.perf_counter() - start if disturbed else None
             return out, new_step, recovery, tuple(failures)

@@ -124,6 +124,16 @@ def test_a_stuck_process_is_treated_as_dead(tmp_path):
     check_finished_together(records, survivors, out)
 
 
+def test_a_process_stuck_in_python_is_ended_by_its_watchdog(tmp_path):
+    # Its heartbeats go on, so only its own watchdog can end it; then it is dead.
+    code, _, records, out = launch(tmp_path, "--die", "2@8:hang", "--stall-timeout", "8")
+    assert code == 0, out[-3000:]
+    assert "exited by itself (its watchdog" in out
+    survivors, step, recovery = survivors_went_on(records, 2, out)
+    assert step == 8 and recovery >= 8  # the watchdog's 8 s, then the heartbeat's 3 s
+    check_finished_together(records, survivors, out)
+
+
 def test_a_restarted_process_rejoins_and_ends_with_the_same_model(tmp_path):
     steps = 40
     code, _, records, out = launch(
