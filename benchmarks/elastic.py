@@ -77,9 +77,10 @@ def run(name: str, steps: int, step_time: float) -> dict:
         "steps_lost": lost,
         "one_model": len({f["consensus_sha256"] for f in finals.values()}) == 1,
         "processes_at_end": len(finals),
-        "accuracy": statistics.mean(f["test_accuracy"] for f in finals.values())
-        if finals
-        else None,
+        "accuracy": (
+            statistics.mean(f["test_accuracy"] for f in finals.values()) if finals else None
+        ),
+        "log_tail": "" if proc.returncode == 0 else proc.stdout[-3000:] + proc.stderr[-3000:],
     }
 
 

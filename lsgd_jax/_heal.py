@@ -29,6 +29,17 @@ def reshard(tree: Any, mesh: Mesh, axes: tuple[str, ...]) -> Any:
 
     Returns:
       The tree over ``mesh`` (no copies: the local buffers are reused).
+
+    Example:
+      >>> import jax, numpy as np
+      >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+      >>> from lsgd_jax._heal import reshard
+      >>> d = jax.devices()[:2]
+      >>> a = Mesh(np.array(d).reshape(2, 1), ("node", "local"))
+      >>> b = Mesh(np.array(d[::-1]).reshape(2, 1), ("node", "local"))  # rows swapped
+      >>> x = jax.device_put(np.array([0.0, 1.0]), NamedSharding(a, P(("node", "local"))))
+      >>> reshard({"w": x}, b, ("node", "local"))["w"]  # each device kept its value
+      Array([1., 0.], dtype=float32)
     """
     sharding = NamedSharding(mesh, P(axes))
     n = int(np.prod([mesh.shape[a] for a in axes]))
@@ -45,9 +56,11 @@ def local_flags(mesh: Mesh, axes: tuple[str, ...], value: bool) -> jax.Array:
     """A per-replica bool array over ``mesh``: ``value`` on every replica of this process."""
     sharding = NamedSharding(mesh, P(axes))
     n = int(np.prod([mesh.shape[a] for a in axes]))
-    return jax.make_array_from_callback(
-        (n,), sharding, lambda idx: np.full(len(range(n)[idx[0]]), value)
-    )
+
+    def fill(idx: Any) -> np.ndarray:
+        return np.full(len(range(n)[idx[0]]), value)
+
+    return jax.make_array_from_callback((n,), sharding, fill)
 
 
 def _heal_program(mesh: Mesh, axes: tuple[str, ...]):
@@ -97,10 +110,10 @@ def heal(
     join = local_flags(mesh, axes, joining)
     sharding = NamedSharding(mesh, P(axes))
     n = int(np.prod([mesh.shape[a] for a in axes]))
-    first = sharding.addressable_devices_indices_map((n,))
+    first: dict[Any, Any] = sharding.addressable_devices_indices_map((n,))
     lowest = min(idx[0].start or 0 for idx in first.values())
 
-    def src(idx):
+    def src(idx: Any) -> np.ndarray:
         start = idx[0].start or 0
         return np.array([source and start == lowest])
 

@@ -135,7 +135,8 @@ def forget_own_gloo_keys(device_ids: set[int]) -> list[str]:
     Returns:
       The deleted key prefixes.
     """
-    c, prefix, gone = client(), "cpu:gloo/", []
+    c, prefix = client(), "cpu:gloo/"
+    gone: list[str] = []
     try:
         entries = c.key_value_dir_get_bytes(prefix)
     except Exception:  # no such directory: nothing was registered yet
@@ -153,7 +154,13 @@ def forget_own_gloo_keys(device_ids: set[int]) -> list[str]:
 
 
 def _permutation(index: int, items: list[Any]) -> list[Any]:
-    """The ``index``-th permutation of ``items`` (factorial number system; 0: as is)."""
+    """The ``index``-th permutation of ``items`` (factorial number system; 0: as is).
+
+    Example:
+      >>> from lsgd_jax._membership import _permutation
+      >>> [_permutation(i, [1, 2, 3]) for i in range(3)]
+      [[1, 2, 3], [1, 3, 2], [2, 1, 3]]
+    """
     items, out = list(items), []
     for k in range(len(items), 0, -1):
         f = math.factorial(k - 1)
@@ -177,6 +184,12 @@ def device_rows(epoch: int, devices_by_process: dict[int, list[Any]]) -> list[li
 
     Returns:
       One list of devices per live process; epoch 0 keeps every order as given.
+
+    Example:
+      >>> from lsgd_jax._membership import device_rows
+      >>> devices = {0: ["a", "b"], 1: ["c", "d"]}
+      >>> device_rows(0, devices), device_rows(1, devices), device_rows(2, devices)
+      ([['a', 'b'], ['c', 'd']], [['b', 'a'], ['d', 'c']], [['c', 'd'], ['a', 'b']])
     """
     procs = sorted(devices_by_process)
     n, fd = len(procs), math.factorial(len(devices_by_process[procs[0]]))

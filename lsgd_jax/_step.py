@@ -366,7 +366,7 @@ class DataParallelStep:
     def jit_args(self, *args: Any) -> tuple[Any, Any, Any, Any]:
         """``(params, model_state, opt_state, batch)`` for :attr:`jitted` from the step's
         own arguments (``model_state`` None without model state)."""
-        names = ("params", "model_state", "opt_state", "batch")
+        names: tuple[str, ...] = ("params", "model_state", "opt_state", "batch")
         if not self.with_model_state:
             names = ("params", "opt_state", "batch")
         if len(args) != len(names):
@@ -375,7 +375,7 @@ class DataParallelStep:
                 "arguments."
             )
         if self.with_model_state:
-            return args  # type: ignore[return-value]
+            return args
         params, opt_state, batch = args
         return params, None, opt_state, batch
 
@@ -476,8 +476,9 @@ class DataParallelStep:
             self._in_flight.append(loss)
             if len(self._in_flight) > self._max_in_flight:
                 self._in_flight.popleft().block_until_ready()
-        out = (params, model_state, opt_state, loss) if self.with_model_state else None
-        out = out or (params, opt_state, loss)
+        out: tuple[Any, ...] = (params, opt_state, loss)
+        if self.with_model_state:
+            out = (params, model_state, opt_state, loss)
         return out + ((aux,) if self.has_aux else ())
 
     def _check_phase(self, call: int, mode: int, ok: Any) -> None:

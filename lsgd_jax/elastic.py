@@ -390,7 +390,8 @@ class ElasticLoop:
                     f"are at step {view.step}; this is a bug, please report it."
                 )
         if view.joining:
-            state = _heal.heal(*state, layout.mesh, axes, joining=joining, source=me == 0)
+            params, opt_state = state
+            state = _heal.heal(params, opt_state, layout.mesh, axes, joining, me == 0)
         return state, step
 
     def _attempt(self, state, step: int, work: Callable[..., Any], label: str):
@@ -403,6 +404,7 @@ class ElasticLoop:
         # add an entry barrier that a newcomer's first barrier could pair with instead.)
         with mh.live_devices(jax.devices()):
             incarnation = mh.live_devices.devices
+            assert incarnation is not None  # set by entering the block
             members = tuple(sorted({(d.process_index, int(i)) for d, i in incarnation.items()}))
             if 0 not in {p for p, _ in members}:
                 raise CoordinatorLostError(
@@ -415,7 +417,7 @@ class ElasticLoop:
             try:
                 view = self._membership.agree(members, step, jax.process_index(), self._view)
                 changed = self._view is None or view.epoch != self._view.epoch
-                layout = self._layout_for(view) if changed else self.layout
+                layout = self._layout_for(view) if changed or self.layout is None else self.layout
                 if changed:
                     state, step = self._adopt(state, step, view, layout)
                 out = _settle(work(state, step, layout))
@@ -494,6 +496,7 @@ class ElasticLoop:
                 "training step", state, step, self._train_work
             )
             state = (params, opt_state)
+            assert self.layout is not None  # set by the attempt that succeeded
             record = StepRecord(step, self.layout.processes, float(loss), recovery, failures)
             if failures or recovery is not None:
                 logger.warning(
@@ -510,6 +513,7 @@ class ElasticLoop:
                 self._on_step(record)
             step += 1
         self._state, self._step = state, step
+        assert state is not None and self.layout is not None  # num_steps >= 1 ran
         return ElasticResult(state[0], state[1], self.layout, records)
 
     def consensus(self, result: ElasticResult) -> Any:
