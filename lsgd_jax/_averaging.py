@@ -161,12 +161,12 @@ class _Averager(abc.ABC):
     @property
     @abc.abstractmethod
     def sync_schedule(self) -> Any:
-        """When to average: a PeriodicSchedule, HierarchicalSchedule or AdaptiveSchedule."""
+        """When to average (a PeriodicSchedule, HierarchicalSchedule or AdaptiveSchedule)."""
 
     @property
     @abc.abstractmethod
     def groups(self) -> tuple[Group | None, ...]:
-        """The group of each level (None: every bound mapped axis)."""
+        """The group of each level (None for every bound mapped axis)."""
 
     @abc.abstractmethod
     def _branch_groups(self) -> list[tuple[Group, Any, bool]]:
@@ -584,7 +584,7 @@ class HierarchicalModelAverager(_Averager):
 
     @property
     def sync_schedule(self) -> HierarchicalSchedule:
-        """The schedule: a HierarchicalSchedule of the periods.
+        """The schedule, a HierarchicalSchedule of the periods.
 
         Example:
           >>> import lsgd_jax
