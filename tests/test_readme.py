@@ -17,6 +17,7 @@ def test_the_two_commands_come_first_and_ci_runs_the_test_command():
     assert "pytest" in test_cmd
     ci = (ROOT / ".ci" / "run").read_text()
     assert test_cmd in ci.splitlines()
+    assert ci.splitlines()[-1] == test_cmd  # the static checks and the docs build run first
 
 
 def test_python_snippets_run():
