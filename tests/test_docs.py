@@ -11,6 +11,8 @@ import re
 
 import pytest
 
+import lsgd_jax
+
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
 PAGES = sorted(p.name for p in DOCS.glob("*.md"))
 
@@ -29,3 +31,13 @@ def test_page_runs(page):
     namespace = {"__name__": f"docs.{page}"}
     for i, code in enumerate(python_blocks((DOCS / page).read_text())):
         exec(compile(code, f"docs/{page} (block {i + 1})", "exec"), namespace)  # noqa: S102
+
+
+def test_the_api_reference_names_every_public_name():
+    api = (DOCS / "api.md").read_text()
+    names = [n for n in lsgd_jax.__all__ if n not in ("comm", "elastic")]
+    documented = set(re.findall(r"\.\. auto(?:class|function):: (\w+)", api))
+    assert set(names) <= documented, set(names) - documented
+    for module in (lsgd_jax.comm, lsgd_jax.elastic):
+        listed = re.search(rf"automodule:: {module.__name__}\n\s+:members: (.*)", api)
+        assert listed and set(module.__all__) <= set(listed[1].split(", ")), module.__name__
