@@ -20,7 +20,7 @@ The script starts N copies of itself (the workers), one per "node", joined by
 If a worker dies, the others would wait in their next collective until JAX's heartbeat
 timeout (``--heartbeat`` seconds) ends them, so the launcher stops them at once and
 reports which worker failed. On a real cluster, SLURM or the TPU runtime start the
-processes instead of this launcher; see README.md, "Many hosts".
+processes instead of this launcher; see docs/many_hosts.md.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ class ModelAveragerState(Struct):
       deferred: (static) set by ``data_parallel_step`` while it takes delayed means in a
         program of their own, on another thread: a starting average then only records
         ``s`` and its level (and the anchor, outer state and communication state as they
-        were), and :func:`finish_deferred` takes the mean.
+        were), and ``_average_call.finish_deferred`` takes the mean.
       pinned_phase: None, or (static) the level this call takes whatever the counters
         say: set by whoever specializes a step per phase (see :func:`phase_index`), in
         the static metadata so that every trace cache keys on it.
@@ -70,13 +70,13 @@ class ModelAveragerState(Struct):
 
     @property
     def num_phases(self) -> int:
-        """How many branches the averager has: one per level, plus "no average" (with a
+        """The number of branches the averager has (one per level, plus "no average"; with a
         delay, each with and without a landing average)."""
         return 1 if self.averager is None else self.averager.sync_schedule.num_phases
 
     @property
     def phase(self) -> jax.Array:
-        """This state's phase: the level of this call (0: no average), an int32 scalar
+        """This state's phase, the level of this call (0 for no average), as an int32 scalar
         derived from the counters alone (the same on every replica).
 
         Example:

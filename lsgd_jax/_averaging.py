@@ -13,8 +13,8 @@ from __future__ import annotations
 import abc
 import dataclasses
 import warnings
-from collections.abc import Callable, Mapping
-from typing import Any, Union
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Union, cast
 
 import jax
 import numpy as np
@@ -92,6 +92,11 @@ _OPTIONS_DOC = """
 """
 
 
+def _normalized(group: GroupSpec) -> Group | None:
+    """An averager's ``process_group`` as ``__post_init__`` stores it (normalized)."""
+    return cast("Group | None", group)
+
+
 def _communicator(averager: Any) -> comm.Communication:
     """The strategy an averager's options ask for (``communication=`` or the flags)."""
     if averager.communication is not None:
@@ -157,16 +162,18 @@ class _Averager(abc.ABC):
     communication_dtype: Any
     delta: bool
     communication: Any
+    delay: int
+    process_group: GroupSpec
 
     @property
     @abc.abstractmethod
     def sync_schedule(self) -> Any:
-        """When to average: a PeriodicSchedule, HierarchicalSchedule or AdaptiveSchedule."""
+        """When to average (a PeriodicSchedule, HierarchicalSchedule or AdaptiveSchedule)."""
 
     @property
     @abc.abstractmethod
     def groups(self) -> tuple[Group | None, ...]:
-        """The group of each level (None: every bound mapped axis)."""
+        """The group of each level (None for every bound mapped axis)."""
 
     @abc.abstractmethod
     def _branch_groups(self) -> list[tuple[Group, Any, bool]]:
@@ -452,7 +459,7 @@ class PeriodicModelAverager(_Averager):
 
     @property
     def groups(self) -> tuple[Group | None, ...]:
-        return (self.process_group,)
+        return (_normalized(self.process_group),)
 
     def level(self, step: Any) -> Any:
         """Which call averages: 0 for none, else 1 (or the fragment number, 1-based).
@@ -474,7 +481,9 @@ class PeriodicModelAverager(_Averager):
 
     def _branch_groups(self) -> list[tuple[Group, Any, bool]]:
         what = "PeriodicModelAverager"
-        group = _collectives.resolve(self.process_group, _collectives.global_axes(what), what)
+        group = _collectives.resolve(
+            _normalized(self.process_group), _collectives.global_axes(what), what
+        )
         if self.fragments == 1:
             return [(group, None, True)]
         return [
@@ -482,7 +491,7 @@ class PeriodicModelAverager(_Averager):
         ]
 
 
-PeriodicModelAverager.__doc__ = PeriodicModelAverager.__doc__.format(options=_OPTIONS_DOC)
+PeriodicModelAverager.__doc__ = (PeriodicModelAverager.__doc__ or "").format(options=_OPTIONS_DOC)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -564,7 +573,7 @@ class HierarchicalModelAverager(_Averager):
             )
 
     @staticmethod
-    def _check_groups(groups: list[Group | None], global_group: Group | None) -> None:
+    def _check_groups(groups: Sequence[Group | None], global_group: Group | None) -> None:
         for small, big in zip(groups, groups[1:]):
             if small is not None and big is not None and not _collectives.group_covers(small, big):
                 raise ValueError(
@@ -584,7 +593,7 @@ class HierarchicalModelAverager(_Averager):
 
     @property
     def sync_schedule(self) -> HierarchicalSchedule:
-        """The schedule: a HierarchicalSchedule of the periods.
+        """The schedule, a HierarchicalSchedule of the periods.
 
         Example:
           >>> import lsgd_jax
@@ -596,11 +605,16 @@ class HierarchicalModelAverager(_Averager):
     @property
     def periods(self) -> tuple[int, ...]:
         """The periods, in increasing order."""
-        return tuple(p for p, _ in self.period_group_dict)
+        return tuple(p for p, _ in self._levels)
 
     @property
     def groups(self) -> tuple[Group | None, ...]:
-        return tuple(g for _, g in self.period_group_dict)
+        return tuple(g for _, g in self._levels)
+
+    @property
+    def _levels(self) -> tuple[tuple[int, Group | None], ...]:
+        """``period_group_dict`` as ``__post_init__`` stores it: (period, group) pairs."""
+        return cast(tuple[tuple[int, Group | None], ...], self.period_group_dict)
 
     def level(self, step: Any) -> Any:
         """Which group a call at ``step`` averages: 0 for none, k for the k-th (1-based).
@@ -622,8 +636,9 @@ class HierarchicalModelAverager(_Averager):
     def _branch_groups(self) -> list[tuple[Group, Any, bool]]:
         what = "HierarchicalModelAverager"
         default = _collectives.global_axes(what)
-        global_group = self.process_group
-        global_group = _collectives.resolve(global_group, default, what + " (process_group)")
+        global_group = _collectives.resolve(
+            _normalized(self.process_group), default, what + " (process_group)"
+        )
         groups = [_collectives.resolve(g, lambda: global_group, what) for g in self.groups]
         self._check_groups(groups, global_group)
         return [(g, None, k == len(groups) - 1) for k, g in enumerate(groups)]

@@ -68,8 +68,8 @@ def _stable(value: Any) -> str:
         if budget[0] < 0:
             return "…"
         if x is None or isinstance(x, (bool, int, float, complex, str, bytes)):
-            text = repr(x)
-            return text if len(text) <= _TEXT else text[:_TEXT] + "…"
+            shown = repr(x)
+            return shown if len(shown) <= _TEXT else shown[:_TEXT] + "…"
         if isinstance(x, np.generic):
             return repr(x.item())
         if isinstance(x, np.dtype):
@@ -237,9 +237,9 @@ def differences(manifest: dict, paths: list[str], treedef: str, target: Any) -> 
         if saved != now and not lines:
             lines.append(f"static metadata or structure: {_short_pair(saved, now)}")
         return lines
-    saved, now = manifest["static"], static_config(target)
-    for where in dict.fromkeys([*saved, *now]):
-        a, b, name = saved.get(where), now.get(where), where or "(root)"
+    saved_static, now_static = manifest["static"], static_config(target)
+    for where in dict.fromkeys([*saved_static, *now_static]):
+        a, b, name = saved_static.get(where), now_static.get(where), where or "(root)"
         if a is None or b is None or a["type"] != b["type"]:
             kinds = [x["type"] if x else "nothing" for x in (a, b)]
             lines.append(f"{name}: {kinds[0]} -> {kinds[1]}")
@@ -251,7 +251,7 @@ def differences(manifest: dict, paths: list[str], treedef: str, target: Any) -> 
             if x != y:
                 lines.append(f"{name}.{field}: {_short_pair(x, y)}")
     shape = skeleton(target)
-    structural = renamed or set(saved) != set(now)
+    structural = renamed or set(saved_static) != set(now_static)
     if not structural and manifest.get("skeleton", shape) != shape:
         lines.append(f"structure: {_short_pair(manifest['skeleton'], shape)}")
     return lines

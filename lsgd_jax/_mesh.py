@@ -65,20 +65,21 @@ def make_mesh(
     for name, v in (("num_nodes", num_nodes), ("devices_per_node", devices_per_node)):
         if v is not None:
             _validate.positive_int(v, f"make_mesh: {name}")
-    if num_nodes is None and devices_per_node is None:
-        num_nodes = jax.process_count() if devices is None else 1
-    if num_nodes is None:
-        num_nodes = len(devs) // devices_per_node
-    if devices_per_node is None:
-        devices_per_node = len(devs) // num_nodes
-    n = num_nodes * devices_per_node
+    if devices_per_node is not None:
+        per_node = devices_per_node
+        nodes = num_nodes if num_nodes is not None else len(devs) // per_node
+    else:
+        default = jax.process_count() if devices is None else 1
+        nodes = num_nodes if num_nodes is not None else default
+        per_node = len(devs) // nodes
+    n = nodes * per_node
     if n == 0 or n > len(devs):
         raise ValueError(
-            f"make_mesh: num_nodes={num_nodes} x devices_per_node={devices_per_node} needs "
+            f"make_mesh: num_nodes={nodes} x devices_per_node={per_node} needs "
             f"{n} devices, but {len(devs)} are available; ask for fewer, or start JAX with "
             "more (e.g. jax.config.update('jax_num_cpu_devices', 8) before first use)."
         )
-    grid = np.array(devs[:n], dtype=object).reshape(num_nodes, devices_per_node)
+    grid = np.array(devs[:n], dtype=object).reshape(nodes, per_node)
     _check_node_rows(grid)
     kwargs = {} if axis_types is None else {"axis_types": axis_types}
     return Mesh(grid, (NODE_AXIS, LOCAL_AXIS), **kwargs)

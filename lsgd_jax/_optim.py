@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -182,7 +182,7 @@ def post_local_sgd_optimizer(
         mask = average_opt_state(inner_state) if callable(average_opt_state) else average_opt_state
         leaves, treedef = jax.tree.flatten(inner_state)
         try:
-            flags = treedef.flatten_up_to(mask)
+            flags = cast(Any, treedef).flatten_up_to(mask)  # not in jax's type stubs
         except (ValueError, TypeError) as e:
             raise ValueError(
                 "average_opt_state must be a pytree of bools with the structure of the inner "

@@ -23,7 +23,7 @@ row stays a row) and each device's model-axis position.
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -58,7 +58,8 @@ def on_mesh(tree: Any, mesh: Mesh) -> Any:
     per-device buffers: no data moves, each device keeps what it holds."""
 
     def one(x: jax.Array) -> jax.Array:
-        sharding = NamedSharding(mesh, x.sharding.spec)
+        spec = cast(NamedSharding, x.sharding).spec  # the step's arrays are on a mesh
+        sharding = NamedSharding(mesh, spec)
         buffers = {s.device: s.data for s in x.addressable_shards}
         devices = sharding.addressable_devices_indices_map(x.shape)
         return jax.make_array_from_single_device_arrays(
@@ -93,7 +94,7 @@ class Overlap:
             rep = P(self._axes)
             manual = frozenset(self._axes)
             names = frozenset(self._mesh.axis_names)
-            kwargs = {} if manual == names else {"axis_names": manual}
+            kwargs: dict[str, Any] = {} if manual == names else {"axis_names": manual}
 
             def body(state):
                 state = jax.tree.map(lambda x: x[0], state)

@@ -435,7 +435,7 @@ def parse_stablehlo(text: str, mesh: Any = None) -> CommunicationReport:
       [('all-reduce', 2, 12, True)]
     """
     lines = text.splitlines()
-    locs = dict(m.groups() for m in map(_MLIR_LOC_ALIAS.match, lines) if m)
+    locs = {m[1]: m[2] for m in map(_MLIR_LOC_ALIAS.match, lines) if m}
     stack: list[int] = []  # indents of the open case/if ops
     out = []
     for k, line in enumerate(lines):

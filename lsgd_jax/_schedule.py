@@ -339,9 +339,9 @@ class AdaptiveSchedule(_Schedule):
             period = jnp.asarray(self.period(step), jnp.int32)
             on = (step == self.warmup_steps) | (step - last_sync >= period)
             return ((step >= self.warmup_steps) & on).astype(jnp.int32)
-        period = int(self.period(jnp.int32(step)))
+        host_period = int(self.period(jnp.int32(step)))
         hit = step >= self.warmup_steps and (
-            step == self.warmup_steps or step - last_sync >= period
+            step == self.warmup_steps or step - last_sync >= host_period
         )
         return int(hit)
 

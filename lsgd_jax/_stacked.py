@@ -14,6 +14,7 @@ collectives, would run on every step.)
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import optax
@@ -60,7 +61,7 @@ def stacked(
     axes = tuple(axes) if axes is not None else data_axes(mesh)
     rep = P(axes)
     manual = frozenset(axes)
-    kwargs = {} if manual == frozenset(mesh.axis_names) else {"axis_names": manual}
+    kwargs: dict[str, Any] = {} if manual == frozenset(mesh.axis_names) else {"axis_names": manual}
 
     def init_fn(params: optax.Params) -> optax.OptState:
         return jax.vmap(tx.init)(params)

@@ -116,14 +116,14 @@ class PostLocalSGDState(Struct):
 
     @property
     def num_phases(self) -> int:
-        """How many branches the hook has: 2 (global, then node-local), or 1 when
-        ``start_localSGD_iter == 0`` (node-local from the first step, no branch)."""
+        """The number of branches the hook has (2, global then node-local; or 1 when
+        ``start_localSGD_iter == 0``, node-local from the first step, no branch)."""
         return 1 if self.start_localSGD_iter == 0 else 2
 
     @property
     def phase(self) -> jax.Array:
-        """This state's phase, an int32 scalar: 1 before the switch (global mean), 0
-        after (node-local), from ``iter`` alone (the same on every replica).
+        """This state's phase as an int32 scalar (1 before the switch, global mean; 0
+        after, node-local), from ``iter`` alone (the same on every replica).
 
         Example:
           >>> import lsgd_jax
@@ -136,7 +136,7 @@ class PostLocalSGDState(Struct):
 
     @property
     def local_sgd_started(self) -> jax.Array:
-        """Boolean scalar: whether the hook now averages only inside the subgroup."""
+        """Whether the hook now averages only inside the subgroup (a boolean scalar)."""
         return self.iter >= self.start_localSGD_iter
 
     def maybe_increase_iter(self) -> PostLocalSGDState:

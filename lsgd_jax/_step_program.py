@@ -231,7 +231,9 @@ def program(spec: StepSpec, mode: int | str) -> Any:
     """
     rep = P(spec.axes)
     manual = frozenset(spec.axes)
-    kwargs = {} if manual == frozenset(spec.mesh.axis_names) else {"axis_names": manual}
+    kwargs: dict[str, Any] = (
+        {} if manual == frozenset(spec.mesh.axis_names) else {"axis_names": manual}
+    )
     donate = (0, 1, 2) if spec.donate else ()
     if spec.lowering == "shard_map":
         mapped = jax.shard_map(

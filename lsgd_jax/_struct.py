@@ -11,7 +11,7 @@ never when JAX rebuilds it (flax ``struct.py``'s idiom, with JAX alone).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import jax
 
@@ -83,7 +83,7 @@ def pytree_dataclass(cls: type[T]) -> type[T]:
     Returns:
       ``cls``, registered.
     """
-    fields = dataclasses.fields(cls)
+    fields = dataclasses.fields(cast(Any, cls))  # a dataclass, by this module's contract
     meta = tuple(f.name for f in fields if f.metadata.get("static"))
     data = tuple(f.name for f in fields if not f.metadata.get("static"))
     keys = tuple(jax.tree_util.GetAttrKey(n) for n in data)

@@ -373,7 +373,7 @@ def two_level(inner_axis: str = "local") -> TwoLevel:
     all-reduce. Exact up to the order of the float32 sums.
 
     Args:
-      inner_axis: the mesh axis of one node's devices (``"local"`` in :func:`make_mesh`).
+      inner_axis: the mesh axis of one node's devices (``"local"`` in :func:`~lsgd_jax.make_mesh`).
 
     References:
       Jia et al., `Highly Scalable Deep Learning Training System with Mixed-Precision:
@@ -474,7 +474,7 @@ def quantized(
       two_level: reduce inside the node in float32 first; quantize only across nodes.
         A mean over the node's axis alone (a hierarchy's node level) is then a plain
         float32 all-reduce, and leaves the residual alone.
-      inner_axis: the mesh axis of one node's devices (``"local"`` in :func:`make_mesh`).
+      inner_axis: the mesh axis of one node's devices (``"local"`` in :func:`~lsgd_jax.make_mesh`).
 
     Returns:
       A :class:`Communication`.

@@ -17,7 +17,7 @@ import time
 def _setup_devices(n: int) -> None:
     import jax
 
-    if jax.config.jax_platforms in (None, "", "cpu"):
+    if jax.config.jax_platforms in (None, "", "cpu"):  # type: ignore[attr-defined]  # not in jax's stubs
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", n)
 

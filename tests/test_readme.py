@@ -17,6 +17,7 @@ def test_the_two_commands_come_first_and_ci_runs_the_test_command():
     assert "pytest" in test_cmd
     ci = (ROOT / ".ci" / "run").read_text()
     assert test_cmd in ci.splitlines()
+    assert ci.splitlines()[-1] == test_cmd  # the static checks and the docs build run first
 
 
 def test_python_snippets_run():
@@ -25,6 +26,10 @@ def test_python_snippets_run():
         exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102
     assert float(namespace["loss"]) >= 0.0
     assert namespace["model"]["w"].shape == (4, 1)
-    assert namespace["jp"]["w"].shape == (8, 4, 1)  # the plain-jit step's stacked params
-    assert namespace["y"].shape == (64, 1)  # the Flax (NNX) snippet's consensus model
-    assert namespace["bs"]["norm"]["mean"].shape == (8, 16)  # statistics per replica
+    # The snippets that moved to docs/ (shard_map, plain jit, pmap, Flax) are checked
+    # there: tests/test_docs.py.
+
+
+def test_the_pages_it_links_exist():
+    for page in re.findall(r"`(docs/[a-z_]+\.md)`", README):
+        assert (ROOT / page).is_file(), page
