@@ -110,7 +110,7 @@ def heal(
     join = local_flags(mesh, axes, joining)
     sharding = NamedSharding(mesh, P(axes))
     n = int(np.prod([mesh.shape[a] for a in axes]))
-    first: dict[Any, Any] = sharding.addressable_devices_indices_map((n,))
+    first: Any = sharding.addressable_devices_indices_map((n,))
     lowest = min(idx[0].start or 0 for idx in first.values())
 
     def src(idx: Any) -> np.ndarray:
