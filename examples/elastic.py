@@ -113,6 +113,39 @@ def _data(n_processes: int, me: int):
     return (x[mine], y[mine]), (x[test], y[test])
 
 
+def logits(params, x):
+    import jax.numpy as jnp
+
+    return jnp.tanh(x @ params["w1"] + params["b1"]) @ params["w2"] + params["b2"]
+
+
+def _model(args):
+    """The MLP's initial params, logits, loss and the post-local SGD optimizer."""
+    import numpy as np
+    import optax
+
+    import lsgd_jax
+
+    def loss_fn(params, batch):
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits(params, batch["x"]), batch["y"]
+        ).mean()
+
+    rng = np.random.default_rng(1)
+    init = {
+        "w1": (rng.standard_normal((64, 64)) / 8).astype(np.float32),
+        "b1": np.zeros(64, np.float32),
+        "w2": (rng.standard_normal((64, 10)) / 8).astype(np.float32),
+        "b2": np.zeros(10, np.float32),
+    }
+    tx = optax.chain(
+        lsgd_jax.post_local_sgd(args.start),
+        optax.sgd(args.lr, momentum=0.9),
+        lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(args.period, args.start)),
+    )
+    return init, logits, loss_fn, tx
+
+
 def worker(args) -> None:
     from lsgd_jax import elastic
 
@@ -131,11 +164,7 @@ def worker(args) -> None:
         collective_timeout_s=args.collective_timeout,
     )
     import jax
-    import jax.numpy as jnp
     import numpy as np
-    import optax
-
-    import lsgd_jax
 
     me, rows = args.process_id, 16  # rows per replica
     (xs, ys), (xt, yt) = _data(args.processes, me)
@@ -164,26 +193,7 @@ def worker(args) -> None:
         idx = rng.choice(len(xs), rows * layout.devices_per_process, replace=False)
         return {"x": xs[idx], "y": ys[idx]}
 
-    def logits(params, x):
-        return jnp.tanh(x @ params["w1"] + params["b1"]) @ params["w2"] + params["b2"]
-
-    def loss_fn(params, batch):
-        return optax.softmax_cross_entropy_with_integer_labels(
-            logits(params, batch["x"]), batch["y"]
-        ).mean()
-
-    rng = np.random.default_rng(1)
-    init = {
-        "w1": (rng.standard_normal((64, 64)) / 8).astype(np.float32),
-        "b1": np.zeros(64, np.float32),
-        "w2": (rng.standard_normal((64, 10)) / 8).astype(np.float32),
-        "b2": np.zeros(10, np.float32),
-    }
-    tx = optax.chain(
-        lsgd_jax.post_local_sgd(args.start),
-        optax.sgd(args.lr, momentum=0.9),
-        lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(args.period, args.start)),
-    )
+    init, logits, loss_fn, tx = _model(args)
 
     def on_step(r):
         emit(
