@@ -63,6 +63,13 @@ def parse(argv=None):
     ap.add_argument("--period", type=int, default=4, help="model averaging period")
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument(
+        "--comm",
+        choices=["flat", "int8", "int4"],
+        default="flat",
+        help="how the model averages travel (int8 / int4: quantized, two-level, with error "
+        "feedback)",
+    )
+    ap.add_argument(
         "--step-time",
         type=float,
         default=0.0,
@@ -141,7 +148,15 @@ def _model(args):
     tx = optax.chain(
         lsgd_jax.post_local_sgd(args.start),
         optax.sgd(args.lr, momentum=0.9),
-        lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(args.period, args.start)),
+        lsgd_jax.model_averaging(
+            lsgd_jax.PeriodicModelAverager(
+                args.period,
+                args.start,
+                communication=None
+                if args.comm == "flat"
+                else lsgd_jax.comm.quantized(8 if args.comm == "int8" else 4, two_level=True),
+            )
+        ),
     )
     return init, logits, loss_fn, tx
 

@@ -4,7 +4,8 @@ Nothing moves between devices when the mesh changes: each device keeps its own
 replica's values, and a new global array is assembled from the local shards
 (``jax.make_array_from_single_device_arrays``). A process that joins has no state of
 its own; one collective program gives its replicas the survivors' consensus params
-(their mean) and one live replica's optimizer state and counters.
+(their mean) and one live replica's optimizer state and counters (but a zero
+error-feedback residual: that one belongs to the replica whose rounding it kept).
 """
 
 from __future__ import annotations
@@ -82,7 +83,16 @@ def _heal_program(mesh: Mesh, axes: tuple[str, ...]):
             got = jax.lax.psum(jnp.where(s, x, jnp.zeros_like(x)), axes)
             return jnp.where(joining.reshape(s.shape), got, x)
 
-        return jax.tree.map(mean, params), jax.tree.map(pick, opt_state)
+        def state_leaf(path, x):
+            # A communication strategy's residual (error feedback) is what rounding took
+            # from THIS replica's params; a joiner's params are the survivors' mean, so
+            # its residual starts at zero rather than as a copy of another replica's.
+            if ".comm_state" in jax.tree_util.keystr(path):
+                zero = jnp.zeros_like(x)
+                return jnp.where(joining.reshape((1,) + (1,) * (x.ndim - 1)), zero, x)
+            return pick(x)
+
+        return jax.tree.map(mean, params), jax.tree_util.tree_map_with_path(state_leaf, opt_state)
 
     return jax.jit(
         jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, spec), out_specs=(spec, spec))

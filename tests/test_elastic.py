@@ -134,10 +134,15 @@ def test_a_process_stuck_in_python_is_ended_by_its_watchdog(tmp_path):
     check_finished_together(records, survivors, out)
 
 
-def test_a_restarted_process_rejoins_and_ends_with_the_same_model(tmp_path):
+@pytest.mark.parametrize("comm", ["flat", "int4"])
+def test_a_restarted_process_rejoins_and_ends_with_the_same_model(tmp_path, comm):
+    # int4: 4-bit two-level averages whose error-feedback residual is per replica (a
+    # joiner starts with zero, test_elastic_pieces.py).
     steps = 40
     code, _, records, out = launch(
-        tmp_path, "--kill", "2@8", "--restart", "2@10", "--step-time", "0.15", steps=steps
+        tmp_path,
+        *("--kill", "2@8", "--restart", "2@10", "--step-time", "0.15", "--comm", comm),
+        steps=steps,
     )
     assert code == 0, out[-3000:]
     for p in (0, 1):

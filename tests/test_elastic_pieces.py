@@ -3,6 +3,7 @@ new mesh without copies, and the program that heals joining replicas."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -103,6 +104,29 @@ def test_heal_gives_joiners_the_survivors_mean_and_one_survivors_state():
     np.testing.assert_array_equal(np.asarray(p["step"]), np.where(joining, 104, count))
     np.testing.assert_array_equal(np.asarray(s["mu"]), np.where(joining[:, None], mu[4], mu))
     np.testing.assert_array_equal(np.asarray(s["count"]), np.where(joining, 104, count))
+
+
+def test_a_joiner_starts_with_a_zero_error_feedback_residual():
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), AXES)
+    tx = lsgd_jax.model_averaging(
+        lsgd_jax.PeriodicModelAverager(4, 0, communication=lsgd_jax.comm.quantized(8))
+    )
+    state = lsgd_jax.replicate(tx.init({"w": jnp.zeros(3)}), mesh)
+    residual = np.arange(24, dtype=np.float32).reshape(8, 3) + 1
+    state = dataclasses.replace(
+        state,
+        comm_state={"w": per_replica(mesh, residual)},
+        step=per_replica(mesh, np.arange(8) + 5),
+    )
+    joining = np.array([0, 0, 1, 1, 0, 0, 0, 0], bool)
+    source = np.eye(8, dtype=bool)[0]
+    params = {"w": per_replica(mesh, np.ones((8, 3), np.float32))}
+    _, s = _heal._heal_program(mesh, AXES)(
+        params, state, per_replica(mesh, joining), per_replica(mesh, source)
+    )
+    want = np.where(joining[:, None], 0.0, residual)
+    np.testing.assert_array_equal(np.asarray(s.comm_state["w"]), want)
+    np.testing.assert_array_equal(np.asarray(s.step), np.where(joining, 5, np.arange(8) + 5))
 
 
 def test_the_loop_refuses_options_a_retry_cannot_have():
