@@ -358,6 +358,7 @@ class ElasticLoop:
         self.layout: Layout | None = None
         self._records_started = False
         self._step = 0
+        self._given: Any = None
 
     # -- one attempt -------------------------------------------------------------
     def _layout_for(self, view: View) -> Layout:
@@ -377,19 +378,24 @@ class ElasticLoop:
         return replicate(self._init_params, mesh), replicate(self._tx.init(self._init_params), mesh)
 
     def _adopt(self, state, step: int, view: View, layout: Layout) -> tuple[Any, int]:
-        """This process's state over the new mesh (healed if anyone joins), and its step."""
+        """This process's state over the new mesh (healed if anyone joins), and its step.
+
+        Also called on an unchanged membership for a state passed to :meth:`run` (which
+        may sit on another mesh): it is only moved then; who joined was settled before.
+        """
         me, axes = jax.process_index(), ("node", "local")
-        joining = me in view.joining
+        new_view = self._view is None or view.epoch != self._view.epoch
+        joining = new_view and me in view.joining
         if joining or state is None:
             state, step = self._fresh(layout.mesh), view.step
         else:
             state = tuple(_heal.reshard(x, layout.mesh, axes) for x in state)
-            if step != view.step:
+            if new_view and step != view.step:
                 raise RuntimeError(
                     f"lsgd_jax.elastic: process {me} is at step {step} but the survivors "
                     f"are at step {view.step}; this is a bug, please report it."
                 )
-        if view.joining:
+        if new_view and view.joining:
             params, opt_state = state
             state = _heal.heal(params, opt_state, layout.mesh, axes, joining, me == 0)
         return state, step
@@ -418,7 +424,7 @@ class ElasticLoop:
                 view = self._membership.agree(members, step, jax.process_index(), self._view)
                 changed = self._view is None or view.epoch != self._view.epoch
                 layout = self._layout_for(view) if changed or self.layout is None else self.layout
-                if changed:
+                if changed or self._given is not None:
                     state, step = self._adopt(state, step, view, layout)
                 out = _settle(work(state, step, layout))
             finally:
@@ -433,7 +439,7 @@ class ElasticLoop:
                 sorted(before - now) or "none",
                 sorted(view.joining) or "none",
             )
-        self._view, self.layout = view, layout
+        self._view, self.layout, self._given = view, layout, None
         return out, step, changed
 
     def _step_fn(self, layout: Layout):
@@ -478,18 +484,47 @@ class ElasticLoop:
             recovery = time.perf_counter() - start if disturbed else None
             return out, new_step, recovery, tuple(failures)
 
-    def run(self, num_steps: int, *, first_step: int = 0) -> ElasticResult:
+    def run(
+        self,
+        num_steps: int,
+        *,
+        first_step: int = 0,
+        initial_state: tuple[Any, Any] | None = None,
+    ) -> ElasticResult:
         """Trains until step ``num_steps`` through failures and rejoins.
 
         Args:
           num_steps: the step to stop at (a joining process stops there too).
-          first_step: the step to start from (e.g. after restoring a checkpoint).
+          first_step: the step to start from: 0, or the step of the state passed as
+            ``initial_state`` (the same on every process).
+          initial_state: ``(params, opt_state)`` with a leading replica axis, this
+            process's replicas on its devices over any mesh: a restored checkpoint, or a
+            previous run's ``(result.params, result.opt_state)`` to go on. Default: fresh
+            (``init_params`` and ``tx.init``); required when this loop ran before.
 
         Returns:
           An :class:`ElasticResult` with this process's state and its records.
+
+        Example:
+          >>> first = loop.run(100)  # doctest: +SKIP
+          >>> more = loop.run(200, first_step=100,  # doctest: +SKIP
+          ...                 initial_state=(first.params, first.opt_state))
         """
         _validate.positive_int(num_steps, "ElasticLoop.run: num_steps")
-        state, step, records = None, first_step, []
+        if not 0 <= first_step < num_steps:
+            raise ValueError(
+                f"ElasticLoop.run: first_step must be in [0, num_steps), got first_step="
+                f"{first_step} and num_steps={num_steps}."
+            )
+        if initial_state is None and self._view is not None:
+            raise ValueError(
+                "ElasticLoop.run: this loop ran before; pass initial_state=(result.params, "
+                "result.opt_state) and first_step=<its step> to go on from where it stopped."
+            )
+        state = None if initial_state is None else tuple(initial_state)
+        self._given = state  # moved onto the mesh by the first attempt that succeeds
+        step: int = first_step
+        records: list[StepRecord] = []
         self._records_started = False
         while step < num_steps:
             (params, opt_state, loss), step, recovery, failures = self._retrying(

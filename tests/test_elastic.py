@@ -182,3 +182,24 @@ def test_a_process_started_without_a_coordinator_fails_clearly(tmp_path):
     assert proc.returncode == 1
     assert "CoordinatorLostError" in proc.stderr and "process 0 is gone" in proc.stderr
     assert time.monotonic() - t0 < 30
+
+
+def test_a_run_goes_on_from_a_given_state_exactly(tmp_path):
+    # One process: run 5 steps, then steps 5..11 from that state, against 12 in one go.
+    from multiprocess import free_port
+
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "elastic_resume_worker.py"), str(free_port())],
+        capture_output=True,
+        text=True,
+        env=worker_env(),
+        cwd=ROOT,
+        timeout=120,
+    )
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert proc.returncode == 0 and line, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(line[len("RESULT ") :])
+    assert result["equal"] and result["state_equal"]  # bitwise
+    assert result["steps"] == list(range(12))
+    assert "pass initial_state=" in result["errors"][0]
+    assert "first_step must be in [0, num_steps)" in result["errors"][1]
