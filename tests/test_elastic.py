@@ -161,10 +161,13 @@ def test_a_restarted_process_rejoins_and_ends_with_the_same_model(tmp_path, comm
 
 def test_when_process_0_dies_every_process_ends_quickly(tmp_path):
     # Process 0 hosts the coordination service: JAX ends the others (SIGABRT) at once.
-    code, seconds, _, out = launch(tmp_path, "--kill", "0@8", "--step-time", "0.05")
+    # (Measured: always that abort; a process that got an error from the gone service
+    # first would end with CoordinatorLostError or another exception instead.)
+    code, seconds, records, out = launch(tmp_path, "--kill", "0@8", "--step-time", "0.05")
     assert code == 1
-    assert "processes ended with" in out and "-6" in out, out[-3000:]
-    assert "leader task was preempted/died" in out
+    assert "processes ended with" in out, out[-3000:]  # all ended: none hung
+    assert "leader task was preempted/died" in out or "CoordinatorLostError" in out
+    assert not finals(records)  # nobody claims to have finished the run
     assert seconds < 90
 
 
