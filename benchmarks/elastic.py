@@ -84,13 +84,42 @@ def run(name: str, steps: int, step_time: float) -> dict:
     }
 
 
+def overhead(reps: int, steps: int) -> None:
+    """What the elastic loop costs an undisturbed step: the same training with
+    ``data_parallel_step`` alone (``--plain``) and through the loop, alternated."""
+    times: dict[str, list[float]] = {"plain": [], "elastic": []}
+    for _ in range(reps):
+        for mode in times:
+            cmd = [sys.executable, str(ROOT / "examples" / "elastic.py"), "--processes", "3"]
+            cmd += ["--devices-per-process", "2", "--steps", str(steps)]
+            cmd += ["--plain"] if mode == "plain" else []
+            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=400)
+            line = next(x for x in proc.stdout.splitlines() if x.startswith("TIMING "))
+            times[mode].append(float(line.split()[1]))
+            print(f"  {mode}: {times[mode][-1]:.2f} ms/step", flush=True)
+    plain, loop = statistics.median(times["plain"]), statistics.median(times["elastic"])
+    print()
+    print(
+        "| data_parallel_step alone (ms/step) | through ElasticLoop (ms/step) | ratio "
+        "| added (ms) |"
+    )
+    print("|---:|---:|---:|---:|")
+    print(f"| {plain:.2f} | {loop:.2f} | {loop / plain:.2f} | {loop - plain:.2f} |")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--step-time", type=float, default=0.02)
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--overhead", action="store_true", help="only time undisturbed steps, loop or not"
+    )
     args = ap.parse_args(argv)
+    if args.overhead:
+        overhead(args.reps, args.steps)
+        return
     rows = []
     for name in SCENARIOS:
         for rep in range(args.reps):

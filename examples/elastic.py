@@ -58,6 +58,12 @@ def parse(argv=None):
         "'inside' step K (after the barrier, as the others enter its collectives), or "
         "'hang's inside step K (stuck in Python, heartbeats going on: the watchdog ends it)",
     )
+    ap.add_argument(
+        "--plain",
+        action="store_true",
+        help="train with data_parallel_step alone, without the elastic loop (no failures "
+        "survived): to measure what the loop costs a step",
+    )
     ap.add_argument("--json", default=None, metavar="FILE")
     ap.add_argument("--start", type=int, default=10, help="start_localSGD_iter")
     ap.add_argument("--period", type=int, default=4, help="model averaging period")
@@ -161,6 +167,40 @@ def _model(args):
     return init, logits, loss_fn, tx
 
 
+def _say_timing(me: int, stamps: list[float], skip: int = 10) -> None:
+    """Process 0 prints the mean seconds per step after the first ``skip`` (compiles)."""
+    if me == 0 and len(stamps) > skip + 1:
+        per_step = (stamps[-1] - stamps[skip]) / (len(stamps) - 1 - skip)
+        print(f"TIMING {1000 * per_step:.3f} ms/step", flush=True)
+
+
+def _plain(args, loss_fn, tx, init, batch_fn) -> None:
+    """The same training with ``data_parallel_step`` alone (every process, no failures)."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import lsgd_jax
+
+    mesh = lsgd_jax.make_mesh()
+    layout = lsgd_jax.elastic.Layout(
+        tuple(range(args.processes)), args.process_id, args.devices_per_process, 0, mesh
+    )
+    step_fn = lsgd_jax.data_parallel_step(loss_fn, tx, mesh, donate=False)
+    params, opt_state = lsgd_jax.replicate(init, mesh), lsgd_jax.replicate(tx.init(init), mesh)
+    rows = NamedSharding(mesh, P(lsgd_jax.data_axes(mesh)))
+    stamps = []
+    for s in range(args.steps):
+        batch = jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(rows, x), batch_fn(s, layout)
+        )
+        params, opt_state, loss = step_fn(params, opt_state, batch)
+        float(loss)  # wait for the step, as the elastic loop does
+        stamps.append(time.perf_counter())
+    _say_timing(args.process_id, stamps)
+    lsgd_jax.elastic.shutdown()
+
+
 def worker(args) -> None:
     from lsgd_jax import elastic
 
@@ -209,8 +249,13 @@ def worker(args) -> None:
         return {"x": xs[idx], "y": ys[idx]}
 
     init, logits, loss_fn, tx = _model(args)
+    if args.plain:
+        _plain(args, loss_fn, tx, init, batch_fn)
+        return
+    stamps = []
 
     def on_step(r):
+        stamps.append(time.perf_counter())
         emit(
             out,
             {
@@ -228,6 +273,7 @@ def worker(args) -> None:
         loss_fn, tx, init, batch_fn, stall_timeout_s=args.stall_timeout, on_step=on_step
     )
     result = loop.run(args.steps)
+    _say_timing(me, stamps)
     model = jax.device_get(loop.consensus(result))
     digest = hashlib.sha256(
         b"".join(np.ascontiguousarray(model[k]).tobytes() for k in sorted(model))

@@ -64,6 +64,7 @@ __all__ = [
     "Layout",
     "StepRecord",
     "initialize",
+    "shutdown",
 ]
 
 _CPU_FLAGS = "--xla_cpu_collective_timeout_seconds={t}"
@@ -571,9 +572,7 @@ class ElasticLoop:
         return out
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Leaves the run cleanly. Process 0 hosts the coordination service, so it leaves
-        last: it waits (up to ``timeout_s``) until every other live process has said it
-        is done and has disconnected; if it left first, JAX would end the others.
+        """Leaves the run cleanly (:func:`shutdown` over this loop's live processes).
 
         Args:
           timeout_s: how long process 0 waits for the others to say they are done.
@@ -581,18 +580,39 @@ class ElasticLoop:
         Returns:
           None.
         """
-        c, me = _membership.client(), jax.process_index()
-        if me != 0:
-            c.key_value_set(f"{_membership.PREFIX}/done/{me}", "1", allow_overwrite=True)
-            jax.distributed.shutdown()
-            return
-        others = [p for p in (self.layout.processes if self.layout else ()) if p != 0]
-        for p in others:
-            try:
-                c.blocking_key_value_get(f"{_membership.PREFIX}/done/{p}", int(timeout_s * 1000))
-            except Exception:  # a process that died after its last step
-                logger.warning("lsgd_jax.elastic: process %d did not say it is done", p)
-        # A barrier of the live ones among them: it returns once the others have
-        # disconnected (or their heartbeats stopped).
-        c.get_live_nodes([0, *others])
+        shutdown(self.layout.processes if self.layout else (), timeout_s)
+
+
+def shutdown(processes: Any = None, timeout_s: float = 30.0) -> None:
+    """Leaves an elastic job cleanly: every process calls it at the end.
+
+    Process 0 hosts the coordination service, so it leaves last: it waits (up to
+    ``timeout_s``) until every other process of ``processes`` has said it is done and
+    has disconnected. If it left first, JAX would end the others (they are still
+    talking to the service when they shut down).
+
+    Args:
+      processes: the live processes (e.g. ``result.layout.processes``); default all.
+      timeout_s: how long process 0 waits for each of the others.
+
+    Returns:
+      None.
+
+    Example:
+      >>> lsgd_jax.elastic.shutdown(result.layout.processes)  # doctest: +SKIP
+    """
+    c, me = _membership.client(), jax.process_index()
+    if me != 0:
+        c.key_value_set(f"{_membership.PREFIX}/done/{me}", "1", allow_overwrite=True)
         jax.distributed.shutdown()
+        return
+    others = [p for p in (processes or range(jax.process_count())) if p != 0]
+    for p in others:
+        try:
+            c.blocking_key_value_get(f"{_membership.PREFIX}/done/{p}", int(timeout_s * 1000))
+        except Exception:  # a process that died after its last step
+            logger.warning("lsgd_jax.elastic: process %d did not say it is done", p)
+    # A barrier of the live ones among them: it returns once the others have
+    # disconnected (or their heartbeats stopped).
+    c.get_live_nodes([0, *others])
+    jax.distributed.shutdown()
