@@ -18,6 +18,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from lsgd_jax._mesh import _num_replicas
+
 
 def reshard(tree: Any, mesh: Mesh, axes: tuple[str, ...]) -> Any:
     """The same per-replica values, as global arrays over ``mesh`` (one replica a device).
@@ -43,7 +45,7 @@ def reshard(tree: Any, mesh: Mesh, axes: tuple[str, ...]) -> Any:
       Array([1., 0.], dtype=float32)
     """
     sharding = NamedSharding(mesh, P(axes))
-    n = int(np.prod([mesh.shape[a] for a in axes]))
+    n = _num_replicas(mesh, axes)
 
     def one(x):
         by_device = {s.device: s.data for s in x.addressable_shards}
@@ -56,7 +58,7 @@ def reshard(tree: Any, mesh: Mesh, axes: tuple[str, ...]) -> Any:
 def local_flags(mesh: Mesh, axes: tuple[str, ...], value: bool) -> jax.Array:
     """A per-replica bool array over ``mesh``: ``value`` on every replica of this process."""
     sharding = NamedSharding(mesh, P(axes))
-    n = int(np.prod([mesh.shape[a] for a in axes]))
+    n = _num_replicas(mesh, axes)
 
     def fill(idx: Any) -> np.ndarray:
         return np.full(len(range(n)[idx[0]]), value)
@@ -119,7 +121,7 @@ def heal(
     """
     join = local_flags(mesh, axes, joining)
     sharding = NamedSharding(mesh, P(axes))
-    n = int(np.prod([mesh.shape[a] for a in axes]))
+    n = _num_replicas(mesh, axes)
     first: Any = sharding.addressable_devices_indices_map((n,))
     lowest = min(idx[0].start or 0 for idx in first.values())
 

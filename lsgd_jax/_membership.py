@@ -23,6 +23,8 @@ import json
 import math
 from typing import Any
 
+from jax.sharding import Mesh
+
 PREFIX = "lsgd_jax/elastic"
 
 
@@ -76,6 +78,45 @@ class View:
             int(d["step"]),
             tuple(int(p) for p in d["joining"]),
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where this process sits in the current membership.
+
+    Attributes:
+      processes: the live processes, in the order of the mesh's rows (nodes).
+      row: this process's row (its position in ``processes``).
+      devices_per_process: devices (replicas) of each process.
+      epoch: the membership's number (0: the first; +1 on every change).
+      mesh: the mesh of this membership, axes ``("node", "local")``.
+    """
+
+    processes: tuple[int, ...]
+    row: int
+    devices_per_process: int
+    epoch: int
+    mesh: Mesh
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.processes) * self.devices_per_process
+
+
+def layout_for(view: View) -> Layout:
+    """This process's :class:`Layout` in ``view``: the mesh of the epoch's device order."""
+    import jax
+    import numpy as np
+
+    by_process: dict[int, list[Any]] = {p: [] for p in view.processes}
+    for d in sorted(jax.devices(), key=lambda d: d.id):
+        if d.process_index in by_process:
+            by_process[d.process_index].append(d)
+    rows = device_rows(view.epoch, by_process)
+    mesh = Mesh(np.array(rows, dtype=object), ("node", "local"))
+    me = jax.process_index()
+    row = next(i for i, r in enumerate(rows) if r[0].process_index == me)
+    return Layout(tuple(r[0].process_index for r in rows), row, len(rows[0]), view.epoch, mesh)
 
 
 def _key(members: tuple[tuple[int, int], ...]) -> str:

@@ -334,6 +334,7 @@ class DataParallelStep:
         overlap: bool = True,
     ) -> None:
         self._spec = spec
+        self._mesh_processes = len({d.process_index for d in spec.mesh.devices.flat})
         self.with_model_state = spec.with_model_state
         self.has_aux = spec.has_aux
         self._specialize = specialize
@@ -448,9 +449,12 @@ class DataParallelStep:
         self._calls += 1
         if not self._outputs.same(params, model_state, opt_state):  # else: checked, alive
             self._check(params, model_state, opt_state)
-        mesh = self._spec.mesh
-        processes = len({d.process_index for d in mesh.devices.flat})
-        _check_batch(batch, _num_replicas(mesh, self._spec.axes), self._spec.axes, processes)
+        _check_batch(
+            batch,
+            _num_replicas(self._spec.mesh, self._spec.axes),
+            self._spec.axes,
+            self._mesh_processes,
+        )
         mode = self._mode(opt_state)
         lands, starts = False, 0
         if self._overlap is not None and isinstance(mode, int):

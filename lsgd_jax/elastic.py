@@ -42,18 +42,16 @@ import dataclasses
 import logging
 import os
 import socket
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lsgd_jax import _heal, _membership, _validate
-from lsgd_jax._membership import CoordinatorLostError, View
+from lsgd_jax import _attempts, _membership, _validate
+from lsgd_jax._membership import CoordinatorLostError, Layout
 
 logger = logging.getLogger("lsgd_jax.elastic")
 
@@ -176,29 +174,6 @@ def _wait_for_coordinator(address: str, timeout_s: float) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
-    """Where this process sits in the current membership.
-
-    Attributes:
-      processes: the live processes, in the order of the mesh's rows (nodes).
-      row: this process's row (its position in ``processes``).
-      devices_per_process: devices (replicas) of each process.
-      epoch: the membership's number (0: the first; +1 on every change).
-      mesh: the mesh of this membership, axes ``("node", "local")``.
-    """
-
-    processes: tuple[int, ...]
-    row: int
-    devices_per_process: int
-    epoch: int
-    mesh: Mesh
-
-    @property
-    def num_replicas(self) -> int:
-        return len(self.processes) * self.devices_per_process
-
-
-@dataclasses.dataclass(frozen=True)
 class StepRecord:
     """One completed step.
 
@@ -232,63 +207,6 @@ class ElasticResult:
     opt_state: Any
     layout: Layout
     records: list[StepRecord]
-
-
-class _Watchdog:
-    """Ends this process if one attempt takes longer than ``timeout_s`` (a stall that
-    heartbeats do not reveal, e.g. a data loader stuck in Python): the others then see
-    a dead process and go on, and a restarted one can join."""
-
-    def __init__(self, timeout_s: float | None) -> None:
-        self._timeout_s = timeout_s
-        self._deadline: float | None = None
-        self._label = ""
-        if timeout_s is not None:
-            threading.Thread(target=self._watch, daemon=True, name="lsgd-watchdog").start()
-
-    def _watch(self) -> None:
-        while True:
-            time.sleep(0.5)
-            deadline = self._deadline
-            if deadline is not None and time.monotonic() > deadline:
-                logger.error(
-                    "lsgd_jax.elastic: %s took more than stall_timeout_s=%s s; this process "
-                    "ends so that the others can go on without it.",
-                    self._label,
-                    self._timeout_s,
-                )
-                os._exit(75)
-
-    def arm(self, label: str) -> None:
-        if self._timeout_s is not None:
-            self._label, self._deadline = label, time.monotonic() + self._timeout_s
-
-    def disarm(self) -> None:
-        self._deadline = None
-
-
-def _settle(tree: Any) -> Any:
-    """Waits for every device's part of ``tree``; the first error after all are done.
-
-    After a failed collective, a process's other devices may still be running the
-    step (until their own collectives fail or time out); the next attempt must not
-    start while they do, or their late messages reach a communicator in use.
-    """
-    error = None
-    for leaf in jax.tree.leaves(tree):
-        for shard in getattr(leaf, "addressable_shards", ()):
-            try:
-                shard.data.block_until_ready()
-            except Exception as e:
-                error = error or e
-    if error is not None:
-        raise error
-    return jax.block_until_ready(tree)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:300] if text else ''}"
 
 
 _FORBIDDEN_OPTIONS = ("donate", "axes", "with_model_state", "has_aux", "overlap")
@@ -349,99 +267,21 @@ class ElasticLoop:
             )
         self._loss_fn, self._tx, self._init_params = loss_fn, tx, init_params
         self._batch_fn, self._options = batch_fn, dict(step_options or {})
-        self._max_failures = _validate.positive_int(max_failures, "ElasticLoop: max_failures")
+        max_failures = _validate.positive_int(max_failures, "ElasticLoop: max_failures")
         self._on_step, self._on_attempt = on_step, on_attempt
-        self._membership = _membership.Membership(timeout_s=120.0)
-        _membership.forget_own_gloo_keys({d.id for d in jax.local_devices()})
-        self._watchdog = _Watchdog(stall_timeout_s)
+        self._attempts = _attempts.Attempts(self._fresh, stall_timeout_s, max_failures)
         self._steps: dict[tuple[int, ...], Any] = {}
-        self._view: View | None = None  # the membership of the last committed attempt
-        self.layout: Layout | None = None
-        self._records_started = False
         self._step = 0
-        self._given: Any = None
 
-    # -- one attempt -------------------------------------------------------------
-    def _layout_for(self, view: View) -> Layout:
-        by_process: dict[int, list[Any]] = {p: [] for p in view.processes}
-        for d in sorted(jax.devices(), key=lambda d: d.id):
-            if d.process_index in by_process:
-                by_process[d.process_index].append(d)
-        rows = _membership.device_rows(view.epoch, by_process)
-        mesh = Mesh(np.array(rows, dtype=object), ("node", "local"))
-        me = jax.process_index()
-        row = next(i for i, r in enumerate(rows) if r[0].process_index == me)
-        return Layout(tuple(r[0].process_index for r in rows), row, len(rows[0]), view.epoch, mesh)
+    @property
+    def layout(self) -> Layout | None:
+        """The membership the last committed step ran on (None before the first)."""
+        return self._attempts.layout
 
     def _fresh(self, mesh: Mesh) -> tuple[Any, Any]:
         from lsgd_jax._mesh import replicate
 
         return replicate(self._init_params, mesh), replicate(self._tx.init(self._init_params), mesh)
-
-    def _adopt(self, state, step: int, view: View, layout: Layout) -> tuple[Any, int]:
-        """This process's state over the new mesh (healed if anyone joins), and its step.
-
-        Also called on an unchanged membership for a state passed to :meth:`run` (which
-        may sit on another mesh): it is only moved then; who joined was settled before.
-        """
-        me, axes = jax.process_index(), ("node", "local")
-        new_view = self._view is None or view.epoch != self._view.epoch
-        joining = new_view and me in view.joining
-        if joining or state is None:
-            state, step = self._fresh(layout.mesh), view.step
-        else:
-            state = tuple(_heal.reshard(x, layout.mesh, axes) for x in state)
-            if new_view and step != view.step:
-                raise RuntimeError(
-                    f"lsgd_jax.elastic: process {me} is at step {step} but the survivors "
-                    f"are at step {view.step}; this is a bug, please report it."
-                )
-        if new_view and view.joining:
-            params, opt_state = state
-            state = _heal.heal(params, opt_state, layout.mesh, axes, joining, me == 0)
-        return state, step
-
-    def _attempt(self, state, step: int, work: Callable[..., Any], label: str):
-        from jax.experimental import multihost_utils as mh
-
-        # One barrier per attempt, at its end (live_devices caches the set it found
-        # there for the next entry): a process that (re)starts has no cached set, so
-        # its entry barrier meets the others' exit barrier, and from then on every
-        # process runs the same attempts in the same phase. (Resetting the cache would
-        # add an entry barrier that a newcomer's first barrier could pair with instead.)
-        with mh.live_devices(jax.devices()):
-            incarnation = mh.live_devices.devices
-            assert incarnation is not None  # set by entering the block
-            members = tuple(sorted({(d.process_index, int(i)) for d, i in incarnation.items()}))
-            if 0 not in {p for p, _ in members}:
-                raise CoordinatorLostError(
-                    "lsgd_jax.elastic: process 0 (the coordination service's host) is "
-                    "gone; the run cannot continue. Restart the job (from a checkpoint)."
-                )
-            # The watchdog times the body only: waiting in the barrier for a peer's
-            # failure to be detected is not a stall of this process.
-            self._watchdog.arm(f"{label} (step {step})")
-            try:
-                view = self._membership.agree(members, step, jax.process_index(), self._view)
-                changed = self._view is None or view.epoch != self._view.epoch
-                layout = self._layout_for(view) if changed or self.layout is None else self.layout
-                if changed or self._given is not None:
-                    state, step = self._adopt(state, step, view, layout)
-                out = _settle(work(state, step, layout))
-            finally:
-                self._watchdog.disarm()
-        if changed and self._view is not None:
-            before, now = set(self._view.processes), set(view.processes)
-            logger.warning(
-                "lsgd_jax.elastic: from step %d on, processes %s (epoch %d): %s left, %s joined",
-                step,
-                list(layout.processes),
-                view.epoch,
-                sorted(before - now) or "none",
-                sorted(view.joining) or "none",
-            )
-        self._view, self.layout, self._given = view, layout, None
-        return out, step, changed
 
     def _step_fn(self, layout: Layout):
         from lsgd_jax._step import data_parallel_step
@@ -461,29 +301,6 @@ class ElasticLoop:
         batch = jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), local)
         params, opt_state, loss = self._step_fn(layout)(*state, batch)
         return params, opt_state, loss
-
-    # -- the loop ----------------------------------------------------------------
-    def _retrying(self, label: str, state, step: int, work: Callable[..., Any]):
-        """Runs ``work`` in attempts until one succeeds on every live process."""
-        failures: list[str] = []
-        start = time.perf_counter()
-        while True:
-            try:
-                out, new_step, changed = self._attempt(state, step, work, label)
-            except CoordinatorLostError:
-                raise
-            except Exception as e:  # a dead peer, a timed-out collective, a new member
-                failures.append(f"step {step}: {_first_line(e)}")
-                logger.warning("lsgd_jax.elastic: %s failed (%s); retrying.", label, failures[-1])
-                if len(failures) >= self._max_failures:
-                    raise RuntimeError(
-                        f"lsgd_jax.elastic: {label} failed {len(failures)} times in a row "
-                        f"(max_failures); the last: {failures[-1]}"
-                    ) from e
-                continue
-            disturbed = bool(failures) or (changed and self._records_started)
-            recovery = time.perf_counter() - start if disturbed else None
-            return out, new_step, recovery, tuple(failures)
 
     def run(
         self,
@@ -517,18 +334,19 @@ class ElasticLoop:
                 f"ElasticLoop.run: first_step must be in [0, num_steps), got first_step="
                 f"{first_step} and num_steps={num_steps}."
             )
-        if initial_state is None and self._view is not None:
+        attempts = self._attempts
+        if initial_state is None and attempts.view is not None:
             raise ValueError(
                 "ElasticLoop.run: this loop ran before; pass initial_state=(result.params, "
                 "result.opt_state) and first_step=<its step> to go on from where it stopped."
             )
         state = None if initial_state is None else tuple(initial_state)
-        self._given = state  # moved onto the mesh by the first attempt that succeeds
+        attempts.given = state  # moved onto the mesh by the first attempt that succeeds
         step: int = first_step
         records: list[StepRecord] = []
-        self._records_started = False
+        attempts.records_started = False
         while step < num_steps:
-            (params, opt_state, loss), step, recovery, failures = self._retrying(
+            (params, opt_state, loss), step, recovery, failures = attempts.retrying(
                 "training step", state, step, self._train_work
             )
             state = (params, opt_state)
@@ -544,11 +362,11 @@ class ElasticLoop:
                     recovery or 0.0,
                 )
             records.append(record)
-            self._records_started = True
+            attempts.records_started = True
             if self._on_step is not None:
                 self._on_step(record)
             step += 1
-        self._state, self._step = state, step
+        self._step = step
         assert state is not None and self.layout is not None  # num_steps >= 1 ran
         return ElasticResult(state[0], state[1], self.layout, records)
 
@@ -568,7 +386,7 @@ class ElasticLoop:
             return consensus(state[0])
 
         state = (result.params, result.opt_state)
-        out, _, _, _ = self._retrying("consensus", state, self._step, work)
+        out, _, _, _ = self._attempts.retrying("consensus", state, self._step, work)
         return out
 
     def shutdown(self, timeout_s: float = 30.0) -> None:

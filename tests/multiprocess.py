@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import os
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
@@ -116,3 +117,33 @@ def run_workers(mode, out, ckpt, *extra, n=2, timeout=120.0) -> list[Proc]:
         logs = "\n".join(f"--- process {i} ---\n{p.output()[-3000:]}" for i, p in enumerate(procs))
         assert codes == [0] * n, f"workers ended with {codes} (None: killed at {timeout}s)\n{logs}"
     return procs
+
+
+def run_launcher(cmd: list[str], timeout: float) -> tuple[int, float, str]:
+    """Runs a launcher script in its own process group, killed whole at the end (its
+    workers go with it); fails the test if it runs past ``timeout``.
+
+    Returns:
+      ``(exit code, seconds, output)``.
+    """
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=worker_env(),
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(
+            f"{pathlib.Path(cmd[1]).name} ran past {timeout} s:\n{out.decode()[-4000:]}"
+        ) from None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, time.monotonic() - t0, out.decode(errors="replace")

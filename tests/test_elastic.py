@@ -8,14 +8,12 @@ reaped whatever happens.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
-from multiprocess import ROOT, worker_env
+from multiprocess import ROOT, run_launcher, worker_env
 
 SCRIPT = ROOT / "examples" / "elastic.py"
 STEPS = 24
@@ -27,28 +25,9 @@ def launch(tmp_path, *args, steps=STEPS, timeout=150.0):
     out = tmp_path / "run.jsonl"
     cmd = [sys.executable, str(SCRIPT), "--processes", "3", "--devices-per-process", "2"]
     cmd += ["--steps", str(steps), "--json", str(out), "--timeout", str(timeout - 20), *args]
-    t0 = time.monotonic()
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=worker_env(),
-        cwd=ROOT,
-        start_new_session=True,  # its own process group: the workers go with it
-    )
-    try:
-        text, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        text, _ = proc.communicate()
-        pytest.fail(f"the launcher did not end in {timeout} s:\n{text.decode()[-4000:]}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    code, seconds, text = run_launcher(cmd, timeout)
     records = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
-    return proc.returncode, time.monotonic() - t0, records, text.decode(errors="replace")
+    return code, seconds, records, text
 
 
 def steps_of(records, process):
@@ -107,19 +86,16 @@ def test_a_process_that_dies_between_or_inside_steps_is_left_behind(tmp_path, wh
     check_finished_together(records, survivors, out)
 
 
-def test_a_process_killed_by_the_launcher_mid_run(tmp_path):
-    code, _, records, out = launch(tmp_path, "--kill", "1@8", "--step-time", "0.05")
-    assert code == 0, out[-3000:]
-    survivors, step, _ = survivors_went_on(records, 1, out)
-    assert step >= 8
-    check_finished_together(records, survivors, out)
-
-
-def test_a_stuck_process_is_treated_as_dead(tmp_path):
+@pytest.mark.parametrize(
+    "how,failed",
+    [(("--kill", "1@8"), 1), (("--stall", "2@8"), 2)],
+    ids=["sigkill-mid-run", "sigstop-stuck"],
+)
+def test_a_process_killed_or_stopped_by_the_launcher_is_left_behind(tmp_path, how, failed):
     # SIGSTOP: alive to the operating system, but no heartbeats and no collectives.
-    code, _, records, out = launch(tmp_path, "--stall", "2@8", "--step-time", "0.05")
+    code, _, records, out = launch(tmp_path, *how, "--step-time", "0.05")
     assert code == 0, out[-3000:]
-    survivors, step, _ = survivors_went_on(records, 2, out)
+    survivors, step, _ = survivors_went_on(records, failed, out)
     assert step >= 8
     check_finished_together(records, survivors, out)
 

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 
-from multiprocess import ROOT, worker_env
+from multiprocess import ROOT, run_launcher
 
 SCRIPT = ROOT / "examples" / "launch_local.py"
 
@@ -16,24 +14,8 @@ def run_example(*args: str, timeout: float = 150) -> str:
     defaults = [] if "--processes" in args else ["--processes", "2", "--devices", "2"]
     cmd = [sys.executable, str(SCRIPT), *defaults, *args]
     cmd += ["--timeout", str(timeout - 30)]  # the launcher stops its workers first
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=worker_env(),
-        cwd=ROOT,
-        start_new_session=True,  # its own process group: the workers go with it
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(
-            f"launch_local.py ran past {timeout} s:\n{out.decode()[-3000:]}"
-        ) from None
-    out = out.decode(errors="replace")
-    assert proc.returncode == 0, out[-3000:]
+    code, _, out = run_launcher(cmd, timeout)
+    assert code == 0, out[-3000:]
     return out
 
 

@@ -1,0 +1,228 @@
+"""Attempts under JAX's ``live_devices`` barrier, retried until one succeeds everywhere.
+
+One attempt: the barrier's live set, the membership record (an epoch) agreed through
+process 0, the state moved onto that epoch's mesh (and joiners healed), then the work,
+waited for on every device. The barrier at the attempt's end makes success
+all-or-nothing across the live processes; a failed attempt is retried from the state
+before it. :class:`lsgd_jax.elastic.ElasticLoop` runs its steps through this.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from lsgd_jax import _heal, _membership
+from lsgd_jax._membership import CoordinatorLostError, Layout, View
+
+logger = logging.getLogger("lsgd_jax.elastic")
+AXES = ("node", "local")
+
+
+class Watchdog:
+    """Ends this process if one attempt takes longer than ``timeout_s`` (a stall that
+    heartbeats do not reveal, e.g. a data loader stuck in Python): the others then see
+    a dead process and go on, and a restarted one can join.
+
+    Example:
+      >>> from lsgd_jax._attempts import Watchdog
+      >>> dog = Watchdog(None)  # None: never fires
+      >>> dog.arm("step 3"); dog.disarm()
+    """
+
+    def __init__(self, timeout_s: float | None) -> None:
+        self._timeout_s = timeout_s
+        self._deadline: float | None = None
+        self._label = ""
+        if timeout_s is not None:
+            threading.Thread(target=self._watch, daemon=True, name="lsgd-watchdog").start()
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(0.5)
+            deadline = self._deadline
+            if deadline is not None and time.monotonic() > deadline:
+                logger.error(
+                    "lsgd_jax.elastic: %s took more than stall_timeout_s=%s s; this process "
+                    "ends so that the others can go on without it.",
+                    self._label,
+                    self._timeout_s,
+                )
+                os._exit(75)
+
+    def arm(self, label: str) -> None:
+        if self._timeout_s is not None:
+            self._label, self._deadline = label, time.monotonic() + self._timeout_s
+
+    def disarm(self) -> None:
+        self._deadline = None
+
+
+def settle(tree: Any) -> Any:
+    """Waits for every device's part of ``tree``; the first error after all are done.
+
+    After a failed collective, a process's other devices may still be running the
+    step (until their own collectives fail or time out); the next attempt must not
+    start while they do, or their late messages reach a communicator in use.
+    """
+    error = None
+    for leaf in jax.tree.leaves(tree):
+        for shard in getattr(leaf, "addressable_shards", ()):
+            try:
+                shard.data.block_until_ready()
+            except Exception as e:
+                error = error or e
+    if error is not None:
+        raise error
+    return tree
+
+
+def first_line(e: BaseException) -> str:
+    """``"Type: first line of the message"`` (at most 300 characters of it)."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:300] if text else ''}"
+
+
+class Attempts:
+    """Runs work in attempts until one succeeds on every live process.
+
+    Args:
+      fresh: ``fresh(mesh) -> (params, opt_state)``, a new state over a mesh (what a
+        joining process starts from before it is healed).
+      stall_timeout_s: the watchdog's limit on one attempt's own work (None: never).
+      max_failures: consecutive failed attempts after which :meth:`retrying` gives up.
+
+    Attributes:
+      view: the membership of the last committed attempt (None before the first).
+      layout: its layout.
+      given: a state passed in from outside (a checkpoint, an earlier run) that the next
+        attempt moves onto its mesh even if the membership did not change.
+      records_started: whether a step was committed since the loop's run began (the
+        first membership of a run is not a "change" to recover from).
+    """
+
+    def __init__(
+        self,
+        fresh: Callable[[Any], tuple[Any, Any]],
+        stall_timeout_s: float | None,
+        max_failures: int,
+    ) -> None:
+        self._fresh, self._max_failures = fresh, max_failures
+        self._membership = _membership.Membership(timeout_s=120.0)
+        _membership.forget_own_gloo_keys({d.id for d in jax.local_devices()})
+        self._watchdog = Watchdog(stall_timeout_s)
+        self.view: View | None = None
+        self.layout: Layout | None = None
+        self.given: Any = None
+        self.records_started = False
+
+    def _adopt(self, state, step: int, view: View, layout: Layout, new_view: bool):
+        """This process's state over the new mesh (healed if anyone joins), and its step.
+
+        Also called on an unchanged membership for a state given from outside (which
+        may sit on another mesh): it is only moved then; who joined was settled before.
+        """
+        me = jax.process_index()
+        joining = new_view and me in view.joining
+        if joining or state is None:
+            state, step = self._fresh(layout.mesh), view.step
+        else:
+            state = tuple(_heal.reshard(x, layout.mesh, AXES) for x in state)
+            if new_view and step != view.step:
+                raise RuntimeError(
+                    f"lsgd_jax.elastic: process {me} is at step {step} but the survivors "
+                    f"are at step {view.step}; this is a bug, please report it."
+                )
+        if new_view and view.joining:
+            params, opt_state = state
+            state = _heal.heal(params, opt_state, layout.mesh, AXES, joining, me == 0)
+        return state, step
+
+    def _members(self) -> tuple[tuple[int, int], ...]:
+        from jax.experimental import multihost_utils as mh
+
+        incarnation = mh.live_devices.devices
+        assert incarnation is not None  # set by entering the block
+        members = tuple(sorted({(d.process_index, int(i)) for d, i in incarnation.items()}))
+        if 0 not in {p for p, _ in members}:
+            raise CoordinatorLostError(
+                "lsgd_jax.elastic: process 0 (the coordination service's host) is "
+                "gone; the run cannot continue. Restart the job (from a checkpoint)."
+            )
+        return members
+
+    def _attempt(self, state, step: int, work: Callable[..., Any], label: str):
+        from jax.experimental import multihost_utils as mh
+
+        # One barrier per attempt, at its end (live_devices caches the set it found
+        # there for the next entry): a process that (re)starts has no cached set, so
+        # its entry barrier meets the others' exit barrier, and from then on every
+        # process runs the same attempts in the same phase. (Resetting the cache would
+        # add an entry barrier that a newcomer's first barrier could pair with instead.)
+        with mh.live_devices(jax.devices()):
+            members = self._members()
+            # The watchdog times the body only: waiting in the barrier for a peer's
+            # failure to be detected is not a stall of this process.
+            self._watchdog.arm(f"{label} (step {step})")
+            try:
+                view = self._membership.agree(members, step, jax.process_index(), self.view)
+                changed = self.view is None or view.epoch != self.view.epoch
+                layout = self.layout
+                if changed or layout is None:
+                    layout = _membership.layout_for(view)
+                if changed or self.given is not None:
+                    state, step = self._adopt(state, step, view, layout, changed)
+                out = settle(work(state, step, layout))
+            finally:
+                self._watchdog.disarm()
+        if changed and self.view is not None:
+            logger.warning(
+                "lsgd_jax.elastic: from step %d on, processes %s (epoch %d): %s left, %s joined",
+                step,
+                list(layout.processes),
+                view.epoch,
+                sorted(set(self.view.processes) - set(view.processes)) or "none",
+                sorted(view.joining) or "none",
+            )
+        self.view, self.layout, self.given = view, layout, None
+        return out, step, changed
+
+    def retrying(self, label: str, state, step: int, work: Callable[..., Any]):
+        """Runs ``work(state, step, layout)`` in attempts until one succeeds everywhere.
+
+        Args:
+          label: what the work is, for logs and errors.
+          state: ``(params, opt_state)`` over the last committed mesh (None: fresh).
+          step: this process's step.
+          work: the attempt's work; its outputs are waited for on every device.
+
+        Returns:
+          ``(outputs, step, recovery_s, failures)``: ``step`` may differ from the one
+          given for a joining process; ``recovery_s`` is set when the attempt followed
+          failures or a membership change.
+        """
+        failures: list[str] = []
+        start = time.perf_counter()
+        while True:
+            try:
+                out, new_step, changed = self._attempt(state, step, work, label)
+            except CoordinatorLostError:
+                raise
+            except Exception as e:  # a dead peer, a timed-out collective, a new member
+                failures.append(f"step {step}: {first_line(e)}")
+                logger.warning("lsgd_jax.elastic: %s failed (%s); retrying.", label, failures[-1])
+                if len(failures) >= self._max_failures:
+                    raise RuntimeError(
+                        f"lsgd_jax.elastic: {label} failed {len(failures)} times in a row "
+                        f"(max_failures); the last: {failures[-1]}"
+                    ) from e
+                continue
+            disturbed = bool(failures) or (changed and self.records_started)
+            recovery = time.perf_counter() - start if disturbed else None
+            return out, new_step, recovery, tuple(failures)
