@@ -93,50 +93,23 @@ def phase_index(opt_state: Any) -> jax.Array:
     return index
 
 
-def digits(opt_state: Any, index: int) -> list[int]:
-    """Each branching state's part of phase ``index`` (the mixed-radix digits)."""
-    out = []
-    for state in reversed(branching_states(opt_state)):
-        index, digit = divmod(index, state.num_phases)
-        out.append(digit)
-    return out[::-1]
-
-
-def delayed_start(state: Any, digit: int) -> int:
-    """The level of the delayed global average that ``state`` (an averager's) starts in
-    its phase ``digit``, or 0."""
-    schedule = state.averager.sync_schedule
-    level = digit % (schedule.num_levels + 1)
-    return level if state.averager.delay and level and schedule.is_global(level) else 0
-
-
-def pin(opt_state: Any, index: int, defer: bool = False) -> Any:
-    """``opt_state`` with every branching state pinned to its digit of phase ``index``;
-    with ``defer``, the averagers with a delay take their means elsewhere (see
-    ``ModelAveragerState.deferred``)."""
+def pin(opt_state: Any, index: int) -> Any:
+    """``opt_state`` with every branching state pinned to its digit of phase ``index``."""
     leaves, treedef = jax.tree.flatten(opt_state, is_leaf=_is_state)
     branching = [i for i, x in enumerate(leaves) if _is_state(x) and x.num_phases > 1]
     for i in reversed(branching):  # the last state is the lowest digit
         index, digit = divmod(index, leaves[i].num_phases)
         leaves[i] = leaves[i].replace(pinned_phase=digit)
-        if defer and isinstance(leaves[i], ModelAveragerState) and leaves[i].averager.delay:
-            leaves[i] = leaves[i].replace(deferred=True)
     return jax.tree.unflatten(treedef, leaves)
 
 
 def unpin(opt_state: Any) -> Any:
     """``opt_state`` with every pin cleared."""
     return jax.tree.map(
-        lambda x: _unpinned(x) if _is_state(x) else x,
+        lambda x: x.replace(pinned_phase=None) if _is_state(x) else x,
         opt_state,
         is_leaf=_is_state,
     )
-
-
-def _unpinned(state: Any) -> Any:
-    if isinstance(state, ModelAveragerState):
-        return state.replace(pinned_phase=None, deferred=False)
-    return state.replace(pinned_phase=None)
 
 
 def _first(x: Any) -> int:
@@ -164,6 +137,8 @@ def counters_snapshot(opt_state: Any) -> list[Any]:
                     outer_state=None,
                     outer_count=None,
                     comm_state=None,
+                    inflight_start=None,
+                    inflight_mean=None,
                 )
             )
     return out

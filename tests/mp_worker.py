@@ -44,8 +44,7 @@ CFG = {
 
 
 def make_tx():
-    """The run's optimizer; ``LSGD_TEST_DELAY=tau`` in the environment delays its averages
-    (their means then go in a background program: data_parallel_step's overlap)."""
+    """The run's optimizer; ``LSGD_TEST_DELAY=tau`` in the environment delays its averages."""
     import optax
 
     import lsgd_jax

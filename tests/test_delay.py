@@ -203,7 +203,9 @@ def test_bad_delays_are_refused():
         lsgd_jax.PeriodicModelAverager(4, delay=1).init()
 
 
-def delayed_run(overlap, steps=14, save_at=None, restore_from=None, tmp_path=None, lo=0):
+def delayed_run(
+    options=None, steps=14, save_at=None, restore_from=None, tmp_path=None, lo=0, handoff=None
+):
     mesh = mesh_2x4()
     tx = optax.chain(
         lsgd_jax.post_local_sgd(2, post_local_gradient_allreduce=False),
@@ -220,7 +222,7 @@ def delayed_run(overlap, steps=14, save_at=None, restore_from=None, tmp_path=Non
         {"x": rng.standard_normal((16, 3), np.float32), "y": rng.standard_normal(16, np.float32)}
         for _ in range(steps)
     ]
-    step = lsgd_jax.data_parallel_step(loss, tx, mesh, overlap=overlap)
+    step = lsgd_jax.data_parallel_step(loss, tx, mesh, **(options or {}))
     p0 = jnp.zeros(3)
     p, s = lsgd_jax.replicate(p0, mesh), lsgd_jax.replicate(tx.init(p0), mesh)
     if restore_from is not None:
@@ -228,6 +230,8 @@ def delayed_run(overlap, steps=14, save_at=None, restore_from=None, tmp_path=Non
         p, s = state["p"], state["s"]
     out = []
     for k in range(lo, steps):
+        if handoff is not None and k == handoff[0]:  # the live state, to another step
+            step = lsgd_jax.data_parallel_step(loss, tx, mesh, **handoff[1])
         p, s, _ = step(p, s, batches[k])
         out.append(np.asarray(p))
         if save_at is not None and k + 1 == save_at:
@@ -235,21 +239,41 @@ def delayed_run(overlap, steps=14, save_at=None, restore_from=None, tmp_path=Non
     return out, step
 
 
-def test_the_mean_in_a_background_program_gives_the_same_numbers():
-    inline, _ = delayed_run(overlap=False)
-    behind, step = delayed_run(overlap=True)
-    for s, (a, b) in enumerate(zip(inline, behind)):
-        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7, err_msg=f"step {s}")
-    assert step._overlap is not None and step._overlap._programs  # it really ran apart
-    # the step that starts an average (phase: global start) holds no model_averaging
-    # collective: the mean is taken by the background program
-    starts = [k for k in step._programs if k[1] and isinstance(k[0], int)]
-    assert starts
+# Every way of running a step, by its options (the default first).
+STEP_PATHS = [
+    {},
+    {"specialize": "switch"},
+    {"specialize": False},
+    {"lowering": "jit"},
+    {"specialize": "switch", "lowering": "jit"},
+]
 
 
-@pytest.mark.parametrize("save_at", [3, 4])  # an average started at step 2 lands at 4
-def test_a_checkpoint_with_an_average_in_flight_resumes_bitwise(save_at, tmp_path):
-    want, _ = delayed_run(overlap=True, save_at=save_at, tmp_path=tmp_path)
-    got, _ = delayed_run(overlap=True, restore_from=save_at, tmp_path=tmp_path, lo=save_at)
-    for a, b in zip(got, want[save_at:]):
-        np.testing.assert_array_equal(a, b)
+def test_every_step_path_gives_the_same_numbers():
+    want, _ = delayed_run()
+    for options in STEP_PATHS[1:]:
+        got, _ = delayed_run(options)
+        for s, (a, b) in enumerate(zip(want, got)):
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6, err_msg=f"{options} step {s}")
+
+
+@pytest.mark.parametrize("save_at", [3, 4, 5])  # an average started at step 2 lands at 4
+@pytest.mark.parametrize("resume", STEP_PATHS, ids=str)
+def test_a_checkpoint_with_an_average_in_flight_resumes_on_any_path(save_at, resume, tmp_path):
+    """Issue 17, defect 1: a state saved while a delayed average is in flight holds the
+    whole average (the step returns complete state), so any step path resumes it."""
+    want, _ = delayed_run(save_at=save_at, tmp_path=tmp_path)
+    got, _ = delayed_run(resume, restore_from=save_at, tmp_path=tmp_path, lo=save_at)
+    for k, (a, b) in enumerate(zip(got, want[save_at:])):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"step {save_at + k}")
+        if resume == {}:
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("at", [3, 5])
+@pytest.mark.parametrize("to", STEP_PATHS[1:], ids=str)
+def test_the_live_state_handed_to_another_step_continues_exactly(at, to):
+    want, _ = delayed_run()
+    got, _ = delayed_run(handoff=(at, to))
+    for k, (a, b) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"step {k}")

@@ -131,6 +131,23 @@ def test_errors_users_make():
         lsgd_jax.data_parallel_step(lambda p, b: 0.0, tx, other, axes=("node", "y"))
 
 
+def test_step_options_are_checked():
+    """Issue 17, defect 10: truthy look-alikes were accepted, an axis name was split."""
+    mesh, tx = mesh_2x4(), optax.chain(lsgd_jax.post_local_sgd(2), optax.sgd(0.1))
+    loss = lambda p, b: jnp.mean((b @ p) ** 2)  # noqa: E731
+    with pytest.raises(ValueError, match="specialize must be True, False or 'switch', got 1"):
+        lsgd_jax.data_parallel_step(loss, tx, mesh, specialize=1)
+    with pytest.raises(TypeError, match="donate must be True or False, got 'x'"):
+        lsgd_jax.data_parallel_step(loss, tx, mesh, donate="x")
+    with pytest.raises(TypeError, match="has_aux must be True or False"):
+        lsgd_jax.data_parallel_step(loss, tx, mesh, has_aux=None)
+    with pytest.raises(ValueError, match=r"not \['nodes'\]"):  # a name, not its letters
+        lsgd_jax.data_parallel_step(loss, tx, mesh, axes="nodes")
+    assert lsgd_jax.data_parallel_step(loss, tx, mesh, axes="node")._spec.axes == ("node",)
+    with pytest.warns(DeprecationWarning, match="overlap=True is deprecated"):
+        lsgd_jax.data_parallel_step(loss, tx, mesh, overlap=True)
+
+
 def test_make_mesh_layout_and_errors():
     mesh = lsgd_jax.make_mesh()
     assert dict(mesh.shape) == {"node": 1, "local": 8}  # one process = one node
