@@ -9,6 +9,7 @@ are in ``_step_inputs``.
 from __future__ import annotations
 
 import collections
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -244,6 +245,7 @@ class DataParallelStep:
         self._max_in_flight = max_in_flight
         self._check_in_sync_every = check_in_sync_every
         self._programs: dict[int | str, Any] = {}
+        self._compiled: set[int | str] = set()  # by compile()
         self._plan = PhasePlan(specialize)
         self._in_flight: collections.deque = collections.deque()
         self._unchecked: collections.deque = collections.deque()
@@ -274,6 +276,46 @@ class DataParallelStep:
             return args
         params, opt_state, batch = args
         return params, None, opt_state, batch
+
+    def compile(self, *args: Any, num_steps: int) -> dict[int | str, float]:
+        """Compiles, without running, the programs of the next ``num_steps`` calls.
+
+        With one program per phase, each phase compiles when it first occurs, which
+        stalls that step; a timed or latency-sensitive run calls this first, so that
+        no step compiles. Nothing is donated or changed.
+
+        Args:
+          *args: the step's own arguments, e.g. ``(params, opt_state, batch)``, as
+            the first of those calls will get them.
+          num_steps: how many calls to plan for (their phases are replayed from the
+            state's counters).
+
+        Returns:
+          ``{program: seconds}`` for each program compiled now (a phase index, or
+          ``"switch"`` / ``"cond"``); programs compiled before are left out.
+
+        Example:
+          >>> import jax.numpy as jnp, optax, lsgd_jax
+          >>> mesh = lsgd_jax.make_mesh(2, 4)
+          >>> tx = optax.chain(lsgd_jax.post_local_sgd(2), optax.sgd(0.1),
+          ...     lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(2, warmup_steps=2)))
+          >>> step = lsgd_jax.data_parallel_step(lambda p, b: jnp.mean((b @ p) ** 2), tx, mesh)
+          >>> p = lsgd_jax.replicate(jnp.zeros(3), mesh)
+          >>> s = lsgd_jax.replicate(tx.init(jnp.zeros(3)), mesh)
+          >>> sorted(step.compile(p, s, jnp.ones((8, 3)), num_steps=6))  # phases 2, 1, 0
+          [0, 1, 2]
+        """
+        jit_args = self.jit_args(*args)
+        num_steps = _validate.positive_int(num_steps, "compile: num_steps")
+        seconds: dict[int | str, float] = {}
+        for mode in self._plan.upcoming(jit_args[2], num_steps):
+            if mode in self._compiled:
+                continue
+            start = time.perf_counter()
+            self._program(mode).lower(*jit_args).compile()
+            seconds[mode] = time.perf_counter() - start
+            self._compiled.add(mode)
+        return seconds
 
     def _check(self, params: Any, model_state: Any, opt_state: Any) -> None:
         spec, n = self._spec, self._replicas

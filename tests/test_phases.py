@@ -188,3 +188,27 @@ def test_a_three_state_product_is_specialized_or_falls_back_with_the_same_number
     want_p, _ = run(make_tx(levels), specialize=False)
     got_p, _ = run(make_tx(levels), specialize=True)
     np.testing.assert_allclose(got_p, want_p, rtol=1e-6, atol=1e-6)
+
+
+def test_compile_ahead_leaves_no_compilation_to_the_steps():
+    """Issue 18: step.compile(..., num_steps=N) compiles every phase of the next N calls,
+    so none of them stalls to compile."""
+    mesh = mesh_2x4()
+    tx = make_tx()
+    step = lsgd_jax.data_parallel_step(loss_fn, tx, mesh)
+    p, s = lsgd_jax.replicate(init_params(), mesh), lsgd_jax.replicate(tx.init(init_params()), mesh)
+    data = batches(5)
+    compiled = step.compile(p, s, data[0], num_steps=5)
+    assert sorted(compiled) == [0, 1, 2] and all(t > 0 for t in compiled.values())
+    assert step.compile(p, s, data[0], num_steps=5) == {}  # nothing left to compile
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: compiles.append(name) if "backend_compile" in name else None
+    )
+    try:
+        for b in data:
+            p, s, _ = step(p, s, b)
+        jax.block_until_ready(p)
+    finally:
+        jax.monitoring.clear_event_listeners()
+    assert compiles == []
