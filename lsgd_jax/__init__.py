@@ -30,6 +30,9 @@ from lsgd_jax._report import Collective
 from lsgd_jax._stacked import stacked
 from lsgd_jax._report import CommunicationReport
 from lsgd_jax._report import communication_report
+from lsgd_jax._ledger import Ledger
+from lsgd_jax._ledger import PhaseBytes
+from lsgd_jax._ledger import communication_ledger
 from lsgd_jax._state import PostLocalSGDState
 from lsgd_jax._pairing import check_configuration
 from lsgd_jax._phase import num_phases
@@ -57,9 +60,11 @@ __all__ = [
     "HierarchicalModelAverager",
     "HierarchicalSchedule",
     "IndexGroups",
+    "Ledger",
     "ModelAveragerState",
     "PeriodicModelAverager",
     "PeriodicSchedule",
+    "PhaseBytes",
     "PostLocalSGDOptimizerState",
     "PostLocalSGDState",
     "ReplicasOutOfSyncError",
@@ -68,6 +73,7 @@ __all__ = [
     "averager_states",
     "check_configuration",
     "comm",
+    "communication_ledger",
     "communication_report",
     "elastic",
     "consensus",

@@ -94,14 +94,13 @@ class PhasePlan:
             self._phases = _phase.replay_phases(self._snapshot, 2 * len(self._phases))
         return int(self._phases[self._position])
 
-    def upcoming(self, opt_state: Any, num_steps: int) -> list[int | str]:
-        """The distinct programs of the next ``num_steps`` calls from ``opt_state``, in
-        the order they first occur (the plan itself is left as it is)."""
+    def replay(self, opt_state: Any, num_steps: int) -> list[int | str]:
+        """The program of each of the next ``num_steps`` calls from ``opt_state`` (the
+        plan itself is left as it is)."""
         fixed = self.fixed_mode(opt_state)
         if fixed is not None:
-            return [fixed]
-        phases = _phase.replay_phases(_phase.counters_snapshot(opt_state), num_steps)
-        return [int(k) for k in dict.fromkeys(phases.tolist())]
+            return [fixed] * num_steps
+        return _phase.replay_phases(_phase.counters_snapshot(opt_state), num_steps).tolist()
 
     def advance(self, returned: Any) -> None:
         """After a phase program ran: the next call continues the plan with ``returned``."""

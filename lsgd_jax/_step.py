@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 import optax
 from jax.sharding import Mesh
@@ -36,7 +37,7 @@ def data_parallel_step(
     with_model_state: bool = False,
     axes: Sequence[str] | None = None,
     donate: bool = True,
-    max_in_flight: int | None = 8,
+    max_in_flight: int | None = 2,
     check_in_sync_every: int | None = None,
     specialize: bool | str = True,
     lowering: str = "shard_map",
@@ -94,9 +95,17 @@ def data_parallel_step(
       axes: the data-parallel axes; default :func:`data_axes` of ``mesh``.
       donate: donate the params, model state and optimizer state buffers.
       max_in_flight: at most this many dispatched steps run ahead of the host (the step
-        waits for the loss of the step that many calls back). Unbounded async dispatch
-        can deadlock XLA's in-process CPU collectives: seen with 8 simulated devices on
-        2 cores after about 150 queued steps (jax 0.10.2). None: no limit.
+        waits for the loss of the step that many calls back; 2 was no slower than 8 on
+        CPU). Keep it small on CPU: XLA's CPU client runs each device's part of a
+        program on a pool of ``max(cores, devices)`` threads (8 simulated devices on 2
+        cores: one thread per device, none spare) and queues at most 32 programs per
+        device; with more queued (a slow step, e.g. 4-bit two-level averages on a
+        loaded machine, plus the other programs of the training loop), the launches of
+        new programs hold pool threads, some devices of the running program never
+        start, the others wait in a collective and the process aborts after 40 s
+        ("Termination timeout for all reduce ... Expected 8 threads to join the
+        rendezvous"). Seen with the old default of 8; ``PJRT_NPROC=<2 x devices>`` in
+        the environment before JAX starts gives the pool spare threads. None: no limit.
       specialize: how the step's branches are compiled. ``True`` (default): one
         program per phase (global or node-local gradient mean, times each averaging
         level; see :func:`phase_index`), compiled when that phase first occurs and
@@ -245,7 +254,7 @@ class DataParallelStep:
         self._max_in_flight = max_in_flight
         self._check_in_sync_every = check_in_sync_every
         self._programs: dict[int | str, Any] = {}
-        self._compiled: set[int | str] = set()  # by compile()
+        self._compiled: dict[tuple, Any] = {}  # (program, signature) -> jax.stages.Compiled
         self._plan = PhasePlan(specialize)
         self._in_flight: collections.deque = collections.deque()
         self._unchecked: collections.deque = collections.deque()
@@ -305,17 +314,29 @@ class DataParallelStep:
           >>> sorted(step.compile(p, s, jnp.ones((8, 3)), num_steps=6))  # phases 2, 1, 0
           [0, 1, 2]
         """
-        jit_args = self.jit_args(*args)
-        num_steps = _validate.positive_int(num_steps, "compile: num_steps")
         seconds: dict[int | str, float] = {}
-        for mode in self._plan.upcoming(jit_args[2], num_steps):
-            if mode in self._compiled:
-                continue
-            start = time.perf_counter()
-            self._program(mode).lower(*jit_args).compile()
-            seconds[mode] = time.perf_counter() - start
-            self._compiled.add(mode)
+        jit_args = self.jit_args(*args)
+        for mode in dict.fromkeys(self.plan_of(*args, num_steps=num_steps)):
+            key = (mode, _signature(jit_args))
+            if key not in self._compiled:
+                start = time.perf_counter()
+                self._compiled[key] = self._program(mode).lower(*jit_args).compile()
+                seconds[mode] = time.perf_counter() - start
         return seconds
+
+    def plan_of(self, *args: Any, num_steps: int) -> list[int | str]:
+        """The program (phase index, or ``"switch"`` / ``"cond"``) each of the next
+        ``num_steps`` calls from these arguments runs, replayed from the step counters."""
+        num_steps = _validate.positive_int(num_steps, "num_steps")
+        return self._plan.replay(self.jit_args(*args)[2], num_steps)
+
+    def programs_of(self, *args: Any, num_steps: int) -> list[tuple[int | str, Any]]:
+        """``(program, jax.stages.Compiled)`` for each program of the next ``num_steps``
+        calls, in the order they first occur, compiled where needed (see :meth:`compile`)."""
+        self.compile(*args, num_steps=num_steps)
+        signature = _signature(self.jit_args(*args))
+        modes = dict.fromkeys(self.plan_of(*args, num_steps=num_steps))
+        return [(k, self._compiled[k, signature]) for k in modes]
 
     def _check(self, params: Any, model_state: Any, opt_state: Any) -> None:
         spec, n = self._spec, self._replicas
@@ -393,3 +414,9 @@ class DataParallelStep:
         from lsgd_jax._report import communication_report
 
         return communication_report(self, *args, **kwargs)
+
+
+def _signature(jit_args: tuple) -> tuple:
+    """What a compiled program is specific to: the arguments' structure, shapes and dtypes."""
+    leaves, treedef = jax.tree.flatten(jit_args)
+    return treedef, tuple((np.shape(x), str(getattr(x, "dtype", type(x)))) for x in leaves)

@@ -1,0 +1,69 @@
+"""The byte ledger against counts made by hand from the schedule and the leaf sizes."""
+
+import jax.numpy as jnp
+import optax
+import pytest
+from helpers import mesh_2x4
+
+import lsgd_jax
+
+N = 256  # float32 params: 1,024 bytes per replica
+LOSS = 4  # the reported mean loss, an all-reduce over every device, every step
+
+
+def ledger_for(tx, num_steps, **kwargs):
+    mesh = mesh_2x4()
+    step = lsgd_jax.data_parallel_step(lambda p, b: jnp.mean((b @ p) ** 2), tx, mesh, **kwargs)
+    p = lsgd_jax.replicate(jnp.zeros(N), mesh)
+    s = lsgd_jax.replicate(tx.init(jnp.zeros(N)), mesh)
+    return step, lsgd_jax.communication_ledger(step, p, s, jnp.ones((8, N)), num_steps=num_steps)
+
+
+def test_post_local_sgd_bytes_per_step_and_per_run_by_hand():
+    tx = optax.chain(
+        lsgd_jax.post_local_sgd(3),
+        optax.sgd(0.1),
+        lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(4, warmup_steps=3)),
+    )
+    step, ledger = ledger_for(tx, 12)
+    # steps 0-2: global gradient mean; from 3: node-local gradient mean, and a global
+    # average of the params at 3, 7, 11
+    global_steps = {0, 1, 2, 3, 7, 11}
+    want_across = [4 * N * (t in global_steps) + LOSS for t in range(12)]
+    want_inside = [4 * N * (t >= 3) for t in range(12)]
+    assert ledger.per_step().tolist() == want_across
+    assert ledger.per_step("inside").tolist() == want_inside
+    assert ledger.total() == 6 * 4 * N + 12 * LOSS
+    assert ledger.total("all") == ledger.total() + 9 * 4 * N
+    # a ring all-reduce over 8 devices puts 2 * 7 / 8 of its bytes on the wire
+    assert ledger.per_step(wire=True)[0] == round(2 * 7 / 8 * 4 * N) + round(2 * 7 / 8 * LOSS)
+    # phases: 2 (global gradients), 1 (node-local gradients + average), 0 (node-local)
+    assert ledger.steps == (2, 2, 2, 1, 0, 0, 0, 1, 0, 0, 0, 1)
+    assert "run" in str(ledger) and f"{ledger.total():,}" in str(ledger)
+    # the ledger compiled the programs the run uses: the steps compile nothing more
+    assert set(ledger.phases) <= {k for k, _ in step._compiled}
+
+
+def test_two_level_averages_send_a_quarter_across_nodes():
+    tx = optax.chain(
+        lsgd_jax.post_local_sgd(0, post_local_gradient_allreduce=False),
+        optax.sgd(0.1),
+        lsgd_jax.model_averaging(
+            lsgd_jax.PeriodicModelAverager(2, communication=lsgd_jax.comm.two_level())
+        ),
+    )
+    _, ledger = ledger_for(tx, 4)
+    # an average: reduce-scatter in the node (1,024 B), all-reduce of the quarter
+    # across nodes (256 B), all-gather in the node (256 B)
+    assert ledger.per_step().tolist() == [N + LOSS, LOSS, N + LOSS, LOSS]
+    assert ledger.per_step("inside").tolist() == [4 * N + N, 0, 4 * N + N, 0]
+
+
+def test_a_step_with_one_program_and_bad_arguments():
+    tx = optax.chain(lsgd_jax.post_local_sgd(2), optax.sgd(0.1))
+    _, ledger = ledger_for(tx, 3, specialize="switch")
+    assert ledger.steps == ("switch",) * 3
+    with pytest.raises(TypeError, match="data_parallel_step"):
+        lsgd_jax.communication_ledger(lambda x: x, num_steps=3)
+    with pytest.raises(ValueError, match="num_steps must be a positive int"):
+        ledger_for(tx, 0)
