@@ -268,3 +268,21 @@ def test_model_state_under_multisteps_averages_only_on_emitting_mini_steps():
         averaged.append(bool(np.all(rm == rm[0])))
     # Mini-steps 1, 5 emit updates at averager steps 0 and 2; 3 and 7 emit at 1 and 3.
     assert averaged == [False, True, False, False, False, True, False, False]
+
+
+def test_the_default_keeps_few_programs_queued_per_device():
+    """Issue 17, defect 11: XLA's CPU client aborts when more than 32 programs are queued
+    per device while each device has one pool thread (8 devices, 2 cores). The step
+    waits for the loss of the step 2 calls back by default, so the queue stays short."""
+    mesh = mesh_2x4()
+    tx = optax.chain(lsgd_jax.post_local_sgd(2), optax.sgd(0.1))
+    step = lsgd_jax.data_parallel_step(lambda p, b: jnp.mean((b @ p) ** 2), tx, mesh)
+    p = lsgd_jax.replicate(jnp.ones(3), mesh)
+    s = lsgd_jax.replicate(tx.init(jnp.ones(3)), mesh)
+    losses = []
+    for _ in range(6):
+        p, s, loss = step(p, s, jnp.ones((8, 3)))
+        losses.append(loss)
+        pending = [x for x in losses if not x.is_ready()]
+        assert len(pending) <= 3, len(pending)  # the 2 allowed, and the one just dispatched
+    assert len(step._in_flight) == 2
