@@ -1,6 +1,31 @@
-"""Eight simulated CPU devices, set before JAX starts its backend."""
+"""Eight simulated CPU devices, set before JAX starts its backend; and the test tiers.
+
+Two tiers: the fast one (``python -m pytest -q -m "not slow"``) for everyday work, and
+the slow one: tests that start several processes, run the examples, the notebook or
+the benchmarks. README's test command (and CI) runs both.
+"""
+
+import pathlib
 
 import jax
+import pytest
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
+
+# Whole files of the slow tier: multi-process, elastic, examples, notebook, benchmarks.
+SLOW_FILES = {
+    "test_multiprocess.py",
+    "test_elastic.py",
+    "test_launch_local.py",
+    "test_notebook.py",
+    "test_examples.py",
+    "test_accuracy_benchmark.py",
+    "test_demo.py",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if pathlib.Path(str(item.fspath)).name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
