@@ -479,7 +479,10 @@ def step_runner(cfg: M.RunConfig, params0_key):
     return mesh, tx, step
 
 
-def run_step(cfg: M.RunConfig, params0, batches):
+def run_step(cfg: M.RunConfig, params0, batches, handoff=None):
+    """Path (d). ``handoff=(k, other_cfg, directory)``: before step k the state goes
+    through a checkpoint in ``directory`` (saved, restored onto fresh arrays) and the
+    run continues with the step object of ``other_cfg`` (another specialize/lowering)."""
     mesh, tx, step = step_runner(cfg, shapes_key(params0))
     params = lsgd_jax.replicate(params0, mesh)
     opt_state = lsgd_jax.replicate(tx.init(params0), mesh)
@@ -487,7 +490,14 @@ def run_step(cfg: M.RunConfig, params0, batches):
         {"count": np.zeros((), np.int32), "stat": np.zeros(2, np.float32)}, mesh
     )
     out = []
-    for batch in batches:
+    for t, batch in enumerate(batches):
+        if handoff is not None and t == handoff[0]:
+            _, other, directory = handoff
+            state = {"p": params, "m": model_state, "s": opt_state}
+            lsgd_jax.save_checkpoint(directory, t, state)
+            state = lsgd_jax.restore_checkpoint(directory, state, step=t)
+            params, model_state, opt_state = state["p"], state["m"], state["s"]
+            _, _, step = step_runner(other, shapes_key(params0))
         b = device_batch(cfg, batch)
         if cfg.model_state:
             params, model_state, opt_state, loss = step(params, model_state, opt_state, b)
@@ -1008,3 +1018,25 @@ def test_data_parallel_step_without_a_hook_is_ddp():
     p = np.asarray(params)
     for r in range(8):
         np.testing.assert_array_equal(p[r], p[0], err_msg=f"replica {r} drifted from replica 0")
+
+
+STEP_PATHS = [(True, "shard_map"), ("switch", "shard_map"), (False, "shard_map"), (True, "jit")]
+
+
+@spec_settings(12)
+@given(runs("step"), st.sampled_from(STEP_PATHS), st.integers(0, 11))
+def test_a_state_handed_to_another_step_path_matches_the_model(tmp_path_factory, run, to, at):
+    """Issue 17: a state made by one step path (compile mode x lowering), saved and
+    restored through a checkpoint, and continued by another path, matches the model
+    after every step, as an uninterrupted run does."""
+    cfg, steps, seed, injected = run
+    if cfg.hook is None and cfg.averager is not None:
+        return  # refused before anything runs (see check_run)
+    other = dataclasses.replace(cfg, specialize=to[0], lowering=to[1])
+    params0 = initial_params(cfg, seed)
+    batches = make_batches(cfg, steps, seed, injected)
+    want, _ = M.simulate(cfg, params0, batches)
+    handoff = (min(at, steps - 1), other, tmp_path_factory.mktemp("handoff"))
+    got = run_step(cfg, params0, batches, handoff=handoff)
+    for t, (w, g) in enumerate(zip(want, got)):
+        compare(w, g, t, tolerance(cfg))
