@@ -426,8 +426,9 @@ def plot(rows: list[dict], tasks: list[str], path: str, seeds: list[int]) -> Non
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    fig, axes = plt.subplots(1, len(tasks), figsize=(6.5 * len(tasks), 5.4), squeeze=False)
-    for ax, task in zip(axes[0], tasks):
+    # one panel above the other, at about the width a docs page shows it (readable there)
+    fig, axes = plt.subplots(len(tasks), 1, figsize=(7.5, 4.6 * len(tasks) + 1.8), squeeze=False)
+    for ax, task in zip(axes[:, 0], tasks):
         task_rows = [r for r in rows if r["task"] == task]
         for r in task_rows:
             x, y = r["bytes"] / 1e6, 100 * r["acc_mean"]
@@ -448,12 +449,12 @@ def plot(rows: list[dict], tasks: list[str], path: str, seeds: list[int]) -> Non
                 markersize=9 if marker == "*" else 6,
             )  # fmt: skip
             if label:
-                ax.annotate(label, (x, y), fontsize=8, xytext=below, textcoords="offset points")
+                ax.annotate(label, (x, y), fontsize=10, xytext=below, textcoords="offset points")
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
         ax.xaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
         ax.set_xlabel("cross-node MB per device over the run (log)")
-        ax.set_ylabel(f"test accuracy, % (mean ± std over {len(seeds)} seeds)")
+        ax.set_ylabel(f"test accuracy, %\n(mean ± std, {len(seeds)} seeds)")
         ax.set_title(task)
         ax.grid(True, which="both", alpha=0.3)
     handles = [
@@ -465,14 +466,14 @@ def plot(rows: list[dict], tasks: list[str], path: str, seeds: list[int]) -> Non
             *OPTION_STYLE.values(),
         ]
     ]
-    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.legend(handles=handles, loc="lower center", ncol=2, fontsize=10, frameon=False)
     fig.suptitle(
-        "2 nodes x 4 simulated devices: test accuracy against cross-node traffic\n"
-        "(options beyond PyTorch switch early, H = 16 unless named; spread apart "
-        "horizontally by a few % where their bytes coincide)",
-        fontsize=10,
+        "Test accuracy against cross-node traffic, 2 nodes x 4 devices\n"
+        "(options beyond PyTorch: early switch, H = 16 unless named;\n"
+        "equal bytes spread apart by a few %)",
+        fontsize=11,
     )
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.tight_layout(rect=(0, 0.13, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
