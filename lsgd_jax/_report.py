@@ -277,6 +277,20 @@ def parse_hlo(text: str, mesh: Any = None, num_devices: int | None = None) -> Co
     """
     if num_devices is None:
         num_devices = int(mesh.devices.size) if mesh is not None else 1
+    comps, entry = _computations(text)
+    reached_plain, reached_any = _reached(comps, entry)
+    out = []
+    for comp, lines in comps.items():
+        if comp in reached_any:
+            for line in lines:
+                c = _collective(line, comp, comp not in reached_plain, mesh, num_devices)
+                if c is not None:
+                    out.append(c)
+    return CommunicationReport(out)
+
+
+def _computations(text: str) -> tuple[dict[str, list[str]], str]:
+    """``({computation: its instruction lines}, the ENTRY computation's name)``."""
     comps: dict[str, list[str]] = {}
     entry = None
     current = None
@@ -295,9 +309,13 @@ def parse_hlo(text: str, mesh: Any = None, num_devices: int | None = None) -> Co
             comps[current].append(line)
     if entry is None:
         raise ValueError("parse_hlo: no ENTRY computation found in the HLO text.")
+    return comps, entry
 
-    # Call graph: (callee, through_conditional_branch).
-    edges: dict[str, list[tuple[str, bool]]] = {c: [] for c in comps}
+
+def _reached(comps: dict[str, list[str]], entry: str) -> tuple[set[str], set[str]]:
+    """The computations reached from ``entry`` without passing a conditional's branch,
+    and all those reached at all."""
+    edges: dict[str, list[tuple[str, bool]]] = {c: [] for c in comps}  # (callee, branch?)
     for comp, lines in comps.items():
         for line in lines:
             is_cond = " conditional(" in line
@@ -318,42 +336,39 @@ def parse_hlo(text: str, mesh: Any = None, num_devices: int | None = None) -> Co
         reached_any.add(comp)
         for callee, through in edges[comp]:
             stack.append((callee, cond or through))
+    return reached_plain, reached_any
 
-    out = []
-    for comp, lines in comps.items():
-        if comp not in reached_any:
-            continue
-        for line in lines:
-            m = _INSTR.match(line)
-            if not m:
-                continue
-            type_str, rest = _split_type(m.group(2))
-            opcode = rest.split("(", 1)[0].strip()
-            kind = opcode.removesuffix("-start")
-            if kind not in _KINDS or opcode.endswith("-done"):
-                continue
-            groups = _replica_groups(rest, num_devices)
-            size = max(len(g) for g in groups)
-            nbytes = _type_bytes(type_str)
-            if opcode.endswith("-start") and type_str.startswith("(") and kind != "all-reduce":
-                nbytes //= 2  # async start returns (operands, results); count the operands
-            nbytes = _operand_bytes(kind, nbytes, size)
-            op = re.search(r'op_name="([^"]*)"', rest)
-            out.append(
-                Collective(
-                    kind=kind,
-                    group_size=2 if kind == "collective-permute" else size,
-                    num_groups=len(groups),
-                    axes=None if kind == "collective-permute" else _axes_of(groups, mesh),
-                    bytes=nbytes,
-                    conditional=comp not in reached_plain,
-                    name=m.group(1),
-                    computation=comp,
-                    op_name=op.group(1) if op else "",
-                    replica_groups=groups,
-                )
-            )
-    return CommunicationReport(out)
+
+def _collective(
+    line: str, comp: str, conditional: bool, mesh: Any, num_devices: int
+) -> Collective | None:
+    """The collective an HLO instruction line holds, or None."""
+    m = _INSTR.match(line)
+    if not m:
+        return None
+    type_str, rest = _split_type(m.group(2))
+    opcode = rest.split("(", 1)[0].strip()
+    kind = opcode.removesuffix("-start")
+    if kind not in _KINDS or opcode.endswith("-done"):
+        return None
+    groups = _replica_groups(rest, num_devices)
+    size = max(len(g) for g in groups)
+    nbytes = _type_bytes(type_str)
+    if opcode.endswith("-start") and type_str.startswith("(") and kind != "all-reduce":
+        nbytes //= 2  # async start returns (operands, results); count the operands
+    op = re.search(r'op_name="([^"]*)"', rest)
+    return Collective(
+        kind=kind,
+        group_size=2 if kind == "collective-permute" else size,
+        num_groups=len(groups),
+        axes=None if kind == "collective-permute" else _axes_of(groups, mesh),
+        bytes=_operand_bytes(kind, nbytes, size),
+        conditional=conditional,
+        name=m.group(1),
+        computation=comp,
+        op_name=op.group(1) if op else "",
+        replica_groups=groups,
+    )
 
 
 _MLIR_KINDS = {

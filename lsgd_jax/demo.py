@@ -36,21 +36,29 @@ def main(argv: list[str] | None = None) -> list[dict]:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     _setup_devices(8)
 
+    import lsgd_jax
+
+    mesh = lsgd_jax.make_mesh(num_nodes=2, devices_per_node=4)
+    data = _teacher_data(args.steps * _PER_REPLICA * mesh.devices.size + 4096, args.seed)
+    rows = [_run("DDP (global every step)", None, 0, mesh, data, args)]
+    for h in args.periods:
+        rows.append(_run(f"post-local SGD, H={h}", args.start, h, mesh, data, args))
+    print(f"{args.steps} steps, 2 nodes x 4 devices, switch at step {args.start}")
+    _print_table(rows)
+    return rows
+
+
+_PER_REPLICA = 32  # examples per replica and step
+
+
+def _model():
+    """``(init_params(key, din), logits(params, x), loss_fn(params, batch))``: an MLP."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     import optax
 
-    import lsgd_jax
-
-    mesh = lsgd_jax.make_mesh(num_nodes=2, devices_per_node=4)
-    n_rep = mesh.devices.size
-    per_replica = 32
-    x_all, y_all = _teacher_data(args.steps * per_replica * n_rep + 4096, args.seed)
-    x_test, y_test = x_all[-4096:], y_all[-4096:]
-
-    def init_params(key):
-        din, hidden, classes = x_all.shape[1], 64, 10
+    def init_params(key, din, hidden=64, classes=10):
         k1, k2 = jax.random.split(key)
         return {
             "w1": jax.random.normal(k1, (din, hidden)) / np.sqrt(din),
@@ -67,44 +75,52 @@ def main(argv: list[str] | None = None) -> list[dict]:
             logits(p, batch["x"]), batch["y"]
         ).mean()
 
-    def run(name, start, period):
-        averager, tx = _optimizer(start, period)
-        step = lsgd_jax.data_parallel_step(loss_fn, tx, mesh)
-        p0 = init_params(jax.random.key(args.seed))
-        params, opt_state = lsgd_jax.replicate(p0, mesh), lsgd_jax.replicate(tx.init(p0), mesh)
-        b = per_replica * n_rep
-        first = {"x": x_all[:b], "y": y_all[:b]}
-        # every phase's program before the clock starts, so steps are timed alone
-        compile_s = sum(step.compile(params, opt_state, first, num_steps=args.steps).values())
-        report = step.communication_report(params, opt_state, first)
-        t0 = time.perf_counter()
-        for s in range(args.steps):
-            batch = {"x": x_all[s * b : (s + 1) * b], "y": y_all[s * b : (s + 1) * b]}
-            params, opt_state, loss = step(params, opt_state, batch)
-        loss = float(loss)
-        seconds = time.perf_counter() - t0
-        # PyTorch's iter counts the global gradient steps
-        grad_global = args.steps if start is None else int(np.asarray(opt_state[0].iter)[0])
-        averages = int(np.count_nonzero(averager.schedule(args.steps))) if averager else 0
-        grad_bytes = max((c.bytes for c in report.where(axes=("node", "local"))), default=0)
-        model = lsgd_jax.consensus(params)
-        return {
-            "run": name,
-            "train loss": loss,
-            "test acc": float(jnp.mean(jnp.argmax(logits(model, x_test), 1) == y_test)),
-            "global all-reduces": grad_global + averages,
-            "cross-node MB/device": (grad_global + averages) * grad_bytes / 1e6,
-            "node-local all-reduces": args.steps - grad_global,
-            "compile s": compile_s,
-            "steps s": seconds,
-        }
+    return init_params, logits, loss_fn
 
-    rows = [run("DDP (global every step)", None, 0)]
-    for h in args.periods:
-        rows.append(run(f"post-local SGD, H={h}", args.start, h))
-    print(f"{args.steps} steps, 2 nodes x 4 devices, switch at step {args.start}")
-    _print_table(rows)
-    return rows
+
+def _run(name: str, start: int | None, period: int, mesh, data, args) -> dict:
+    """One training run; its row of the table."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import lsgd_jax
+
+    x_all, y_all = data
+    init_params, logits, loss_fn = _model()
+    averager, tx = _optimizer(start, period)
+    step = lsgd_jax.data_parallel_step(loss_fn, tx, mesh)
+    p0 = init_params(jax.random.key(args.seed), x_all.shape[1])
+    params, opt_state = lsgd_jax.replicate(p0, mesh), lsgd_jax.replicate(tx.init(p0), mesh)
+    b = _PER_REPLICA * mesh.devices.size
+    batches = (
+        {"x": x_all[s * b : (s + 1) * b], "y": y_all[s * b : (s + 1) * b]}
+        for s in range(args.steps)
+    )
+    first = {"x": x_all[:b], "y": y_all[:b]}
+    # every phase's program before the clock starts, so steps are timed alone
+    compile_s = sum(step.compile(params, opt_state, first, num_steps=args.steps).values())
+    ledger = lsgd_jax.communication_ledger(step, params, opt_state, first, num_steps=args.steps)
+    t0 = time.perf_counter()
+    for batch in batches:
+        params, opt_state, loss = step(params, opt_state, batch)
+    loss = float(loss)
+    seconds = time.perf_counter() - t0
+    # PyTorch's iter counts the global gradient steps
+    grad_global = args.steps if start is None else int(np.asarray(opt_state[0].iter)[0])
+    averages = int(np.count_nonzero(averager.schedule(args.steps))) if averager else 0
+    model = lsgd_jax.consensus(params)
+    x_test, y_test = x_all[-4096:], y_all[-4096:]
+    return {
+        "run": name,
+        "train loss": loss,
+        "test acc": float(jnp.mean(jnp.argmax(logits(model, x_test), 1) == y_test)),
+        "global all-reduces": grad_global + averages,
+        "cross-node MB/device": ledger.total() / 1e6,
+        "node-local all-reduces": args.steps - grad_global,
+        "compile s": compile_s,
+        "steps s": seconds,
+    }
 
 
 def _optimizer(start: int | None, period: int):
