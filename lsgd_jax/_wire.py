@@ -86,6 +86,19 @@ def pack(tree: Any) -> Packed:
     return Packed(flat, leaves, treedef, picked)
 
 
+def empty_mean(x: jax.Array, cast: bool = True) -> jax.Array:
+    """The mean of an empty leaf: itself (a constant, with ``cast`` typed like ``x``).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from lsgd_jax import _wire
+      >>> _wire.empty_mean(jnp.zeros((3, 0), jnp.bfloat16)).shape
+      (3, 0)
+    """
+    out = jnp.zeros(x.shape, x.dtype)
+    return _collectives.cast_varying(out, _collectives.vma(x)) if cast else out
+
+
 def axis_and_kwargs(group: Group) -> tuple[Any, dict]:
     """The ``axis_name`` and ``axis_index_groups`` keyword of a collective over ``group``."""
     if isinstance(group, IndexGroups):
@@ -93,12 +106,50 @@ def axis_and_kwargs(group: Group) -> tuple[Any, dict]:
     return group, {}
 
 
-def split_two_level(group: Group, inner: str) -> tuple[str, tuple[Any, ...]] | None:
+def split_two_level(
+    group: Group, inner: str, what: str = "two_level"
+) -> tuple[str, tuple[Any, ...]] | None:
     """``(inner axis, outer axes)`` when a mean over ``group`` can go in two levels: the
-    group holds ``inner`` (the node's devices) and at least one axis more."""
+    group holds ``inner`` (the node's devices) and at least one axis more.
+
+    A group without ``inner`` takes one level (a node-local level, or an IndexGroups
+    under ``pmap``); but an ``inner`` that is not even a bound axis is a misspelling, and
+    an error (see :func:`check_inner_axis`).
+    """
+    check_inner_axis(group, inner, what)
     if isinstance(group, IndexGroups) or inner not in group or len(group) < 2:
         return None
     return inner, tuple(a for a in group if a != inner)
+
+
+def check_inner_axis(group: Group, inner: str, what: str) -> None:
+    """Raises a ValueError when ``inner`` is not a mapped axis bound where the mean runs.
+
+    An IndexGroups group (``pmap``) takes the one-level path whatever ``inner`` is.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, lsgd_jax
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from lsgd_jax import _wire
+      >>> f = jax.shard_map(lambda x: _wire.check_inner_axis(("node",), "lcoal", "demo") or x,
+      ...     mesh=lsgd_jax.make_mesh(2, 2), in_specs=P(("node", "local")),
+      ...     out_specs=P(("node", "local")))
+      >>> try:
+      ...     f(jnp.zeros(4))
+      ... except ValueError as e:
+      ...     print(str(e)[:58])
+      demo: inner_axis 'lcoal' is not a mesh axis bound here (bo
+    """
+    if isinstance(group, IndexGroups) or inner in group:
+        return
+    bound = _collectives.bound_axes()
+    if inner not in bound:
+        raise ValueError(
+            f"{what}: inner_axis {inner!r} is not a mesh axis bound here (bound axes: "
+            f"{bound}), so no mean could go in two levels; name the mesh axis of one "
+            f"node's devices as inner_axis (e.g. inner_axis='local' for "
+            f"lsgd_jax.make_mesh()), or use a one-level strategy."
+        )
 
 
 def two_level_sum(flat: jax.Array, inner: str, outer: tuple[Any, ...]) -> jax.Array:
@@ -133,6 +184,8 @@ def two_level_mean(tree: Any, group: Group, inner: str, cast: bool = True) -> An
     def one(x):
         if not _collectives.is_averaged(x):
             return x
+        if not x.size:  # an empty leaf's mean is itself (and a zero-size scatter is invalid)
+            return empty_mean(x, cast)
         acc = jnp.ravel(x).astype(_collectives.accumulation_dtype(x.dtype))
         mean = (two_level_sum(acc, *split) / size).astype(x.dtype).reshape(x.shape)
         return _collectives.cast_varying(mean, _collectives.vma(x)) if cast else mean
@@ -152,6 +205,8 @@ def narrow_mean(tree: Any, group: Group, dtype: Any, cast: bool = True) -> Any:
     packed = pack(tree)
     if not packed.picked:
         return tree
+    if not packed.size:  # only empty leaves: nothing to send
+        return packed.unpack(packed.flat, cast)
     axis, kwargs = axis_and_kwargs(group)
     n = _collectives.group_size(group)
     buf = jnp.pad(packed.flat, (0, (-packed.size) % n)).astype(dtype).reshape(n, -1)

@@ -20,8 +20,9 @@ them.
   rounding dropped is kept per replica and sent with the next mean.
 
 Every strategy keeps each leaf's dtype and varying-axes type (so a mean can sit in one
-branch of a ``lax.cond``), averages floating and complex leaves only, and sums narrow
-floats in float32.
+branch of a ``lax.cond``), averages floating and complex leaves only, sums narrow
+floats in float32, and gives an empty leaf back as its own mean (a tree of empty leaves
+sends nothing). Strategies check their arguments when built, by the factory or the class.
 
 Example:
   >>> import jax.numpy as jnp, optax, lsgd_jax
@@ -172,6 +173,40 @@ class FiniteOnly(Communication):
         del tree
 
 
+def _narrow_dtype(value: Any) -> Any:
+    """``value`` as a floating dtype narrower than float32 (what ``compressed`` sends)."""
+    if value is None:
+        raise ValueError(
+            "compressed: dtype must be a floating dtype narrower than float32, got None; "
+            "use e.g. jnp.bfloat16."
+        )
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError as e:
+        raise ValueError(
+            f"compressed: {value!r} is not a dtype; use a floating dtype narrower than "
+            "float32, e.g. jnp.bfloat16."
+        ) from e
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"communication_dtype must be a floating dtype such as jnp.bfloat16, got {value!r}."
+        )
+    if dtype.itemsize >= 4:
+        raise ValueError(
+            f"compressed: the dtype on the wire must be narrower than float32 (the values "
+            f"are summed in float32, so {dtype.name} would save nothing), got {dtype.name}; "
+            "use jnp.bfloat16 (or jnp.float16), or comm.flat() for an exact mean."
+        )
+    return dtype
+
+
+def _check_inner_axis(value: Any, what: str) -> None:
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{what}: inner_axis must be a mesh axis name (a str such as 'local'), got {value!r}."
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class Compressed(Communication):
     """A mean sent in a narrower floating dtype and summed in float32.
@@ -185,16 +220,7 @@ class Compressed(Communication):
     dtype: Any = jnp.bfloat16
 
     def __post_init__(self) -> None:
-        try:
-            dtype = jnp.dtype(self.dtype)
-        except TypeError as e:
-            raise ValueError(f"compressed: {self.dtype!r} is not a dtype.") from e
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise ValueError(
-                f"communication_dtype must be a floating dtype such as jnp.bfloat16, "
-                f"got {self.dtype!r}."
-            )
-        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "dtype", _narrow_dtype(self.dtype))
 
     def mean(self, tree, group, state=None, *, cast=True, step=None) -> Mean:
         del step
@@ -251,6 +277,9 @@ class TwoLevel(Communication):
 
     inner_axis: str = "local"
 
+    def __post_init__(self) -> None:
+        _check_inner_axis(self.inner_axis, "two_level")
+
     def mean(self, tree, group, state=None, *, cast=True, step=None) -> Mean:
         del step
         return Mean(_wire.two_level_mean(tree, group, self.inner_axis, cast), None, state)
@@ -285,10 +314,7 @@ class Quantized(Communication):
         for flag in ("error_feedback", "two_level"):
             value = _validate.boolean(getattr(self, flag), f"quantized: {flag}")
             object.__setattr__(self, flag, value)
-        if not isinstance(self.inner_axis, str):
-            raise TypeError(
-                f"quantized: inner_axis must be a mesh axis name, got {self.inner_axis!r}."
-            )
+        _check_inner_axis(self.inner_axis, "quantized")
 
     def mean(self, tree, group, state=None, *, cast=True, step=None) -> Mean:
         del step
@@ -370,7 +396,9 @@ def two_level(inner_axis: str = "local") -> TwoLevel:
     about 2 (n - 1) / n of the values per device on whichever links the ring crosses
     (1.75x the params on the node-to-node link, measured with gloo on 2 x 4 devices).
     A mean inside one node (the hook's node-local phase, a ``"local"`` level) stays one
-    all-reduce. Exact up to the order of the float32 sums.
+    all-reduce, and so does a mean over an :class:`~lsgd_jax.IndexGroups` group
+    (``pmap``). Exact up to the order of the float32 sums. An ``inner_axis`` that is not
+    a mesh axis where the mean runs raises a ValueError. Empty leaves are their own mean.
 
     Args:
       inner_axis: the mesh axis of one node's devices (``"local"`` in :func:`~lsgd_jax.make_mesh`).
@@ -387,8 +415,6 @@ def two_level(inner_axis: str = "local") -> TwoLevel:
       >>> import lsgd_jax
       >>> tx = lsgd_jax.post_local_sgd(100, communication=lsgd_jax.comm.two_level())
     """
-    if not isinstance(inner_axis, str):
-        raise TypeError(f"two_level: inner_axis must be a mesh axis name, got {inner_axis!r}.")
     return TwoLevel(inner_axis)
 
 
@@ -403,7 +429,8 @@ def compressed(dtype: Any = jnp.bfloat16) -> Compressed:
     the group gets the same (``dtype``-rounded) result.
 
     Args:
-      dtype: a floating dtype narrower than the values, e.g. ``jnp.bfloat16``.
+      dtype: a floating dtype narrower than float32, e.g. ``jnp.bfloat16`` or
+        ``jnp.float16`` (float32 or wider would save nothing: a ValueError).
 
     Returns:
       A :class:`Communication`.
@@ -426,40 +453,56 @@ def quantized(
     """A mean sent as ``bits``-bit integers with one float32 scale per block.
 
     The floating leaves are flattened into one float32 buffer (with error feedback, plus
-    this replica's residual) and cut into blocks of ``block_size`` values; a block ``x``
-    travels as ``q = round(x / s)``, ``s = max|x| / qmax`` (``qmax`` 127 for 8 bits, 7
-    for 4 bits), so each value is within ``s / 2``. Like :func:`compressed`, the mean is
-    an ``all_to_all`` (each replica receives its chunk from every peer, dequantizes and
-    sums it in float32; its own chunk it keeps exact) and an ``all_gather`` of the chunk
-    means, quantized again; every replica decodes the same bytes, so all end bitwise
-    identical. The error of one mean is at most the average over the replicas of ``s /
-    2`` of their blocks plus ``s / 2`` of the mean's block.
+    this replica's residual), cut into one chunk per replica and each chunk into blocks
+    of ``block_size`` values (fewer when a chunk is shorter: a block is never longer than
+    a chunk, so padding stays below one block per chunk); a block ``x`` travels as ``q =
+    round(x / s)``, ``s = max|x| / qmax`` (``qmax`` 127 for 8 bits, 7 for 4 bits), so each
+    value is within ``s / 2``. Like :func:`compressed`, the mean is an ``all_to_all``
+    (each replica receives its chunk from every peer, dequantizes and sums it in
+    float32) and an ``all_gather`` of the chunk means, quantized again; every replica
+    decodes the same bytes, so all end bitwise identical. The error of one mean is at
+    most the average over the replicas of ``s / 2`` of their blocks plus ``s / 2`` of the
+    mean's block.
+
+    Nobody is special: a replica's own chunk is quantized like the ones it sends, so a
+    mean is a function of the multiset of the replicas' inputs (values plus residuals)
+    and does not depend on the device order of the mesh (which replica sums which chunk
+    is its axis position), up to the order of the float32 sums. The one thing position
+    decides is where a chunk mean's stage-2 rounding error is kept: only the replica that
+    summed the chunk knows it (see error feedback below). So with error feedback, the
+    same run on a mesh listing its devices in another order gives the same first mean
+    and means that telescope to the same total, but later means may differ by roundings.
 
     Wire bytes per value: ``bits / 8 + 4 / block_size`` (1.0625 for int8, 0.5625 for
     4 bits, with blocks of 64) in each of the two collectives, so about ``2 (g - 1) / g x
     (bits / 8 + 4 / block_size)`` per value and device for a group of ``g``, against
     ``2 (g - 1) / g x 4`` for a float32 ring all-reduce: 0.27x (int8) and 0.14x (4-bit).
+    Where quantizing would send as many bytes as one float32 all-reduce or more (a tree
+    of a few values, a group of one replica, a single node with ``two_level``), the mean
+    is that all-reduce: exact, and the residual becomes zero.
 
     Error feedback (Seide et al., 2014; Karimireddy et al., 2019): each replica keeps
-    what its rounding dropped (its stage-1 error on the chunks it sent, and ``g`` times
-    the stage-2 error of the chunk mean it computed, as in the worker and server errors
-    of 1-bit Adam's compressed all-reduce) and adds it to its values before the next
-    mean. The means then telescope: over many averages, the total differs from the exact
-    one by one residual, instead of a sum of roundings that grows with the number of
-    averages (and that, with updates smaller than half a step of the grid, loses them
-    entirely). The residual is the strategy's state: an averager keeps it params-shaped
-    in ``ModelAveragerState.comm_state`` (created by ``averager.init(params)``, cut like
-    the params for fragments, checkpointed with the rest). The hook keeps no such state;
-    use ``error_feedback=False`` there.
+    what its rounding dropped (its stage-1 error on every chunk, and ``g`` times the
+    stage-2 error of the chunk mean it computed, as in the worker and server errors of
+    1-bit Adam's compressed all-reduce) and adds it to its values before the next mean.
+    The means then telescope: over many averages, the total differs from the exact one by
+    one residual, instead of a sum of roundings that grows with the number of averages
+    (and that, with updates smaller than half a step of the grid, loses them entirely).
+    The residual is the strategy's state: an averager keeps it params-shaped in
+    ``ModelAveragerState.comm_state`` (created by ``averager.init(params)``, cut like the
+    params for fragments, checkpointed with the rest). The hook keeps no such state; use
+    ``error_feedback=False`` there.
 
     ``two_level=True``: over a group that holds ``inner_axis`` and more axes, a float32
     reduce-scatter inside the node (exact and node-local), the quantized mean across
     nodes of this device's shard of the node's sum (the only traffic that crosses nodes:
     ``1 / size(inner_axis)`` of the buffer, as integers), a float32 all-gather inside
-    the node. The residual is then this device's shard's: zero elsewhere. A group
-    without ``inner_axis`` (a node-local level) takes the one-level path. An
+    the node. The residual is then this device's shard's: zero elsewhere (and where in
+    the node it sits does not matter: the node sums it first). A group without
+    ``inner_axis`` (a node-local level) takes the one-level path. An
     :class:`~lsgd_jax.IndexGroups` group (``pmap``) uses the one-level path with
-    ``axis_index_groups``.
+    ``axis_index_groups``. An ``inner_axis`` that is not a mesh axis where the mean runs
+    is an error (a misspelling would otherwise quietly send every mean in one level).
 
     NaN and Inf propagate: a non-finite value makes its block's scale NaN, so that block
     of the mean is NaN on every replica (use :func:`finite_only` to leave a diverged
@@ -467,9 +510,9 @@ def quantized(
 
     Args:
       bits: 8 (int8) or 4 (two values per byte).
-      block_size: values per scale, a positive int (even for 4 bits). Smaller blocks
-        follow the values' magnitudes more closely and cost ``4 / block_size`` bytes per
-        value.
+      block_size: values per scale, a positive int (even for 4 bits), at most 2**24.
+        Smaller blocks follow the values' magnitudes more closely and cost ``4 /
+        block_size`` bytes per value.
       error_feedback: keep the residual (needs ``averager.init(params)``).
       two_level: reduce inside the node in float32 first; quantize only across nodes.
         A mean over the node's axis alone (a hierarchy's node level) is then a plain
