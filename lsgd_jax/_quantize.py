@@ -1,21 +1,29 @@
 """A mean sent as small integers with per-block scales, and the error feedback it keeps.
 
-The floating leaves go into one flat float32 buffer (``_wire.pack``), cut into blocks of
-``block_size`` values. A block travels as ``q = round(x / s)`` in ``[-qmax, qmax]`` with
-``s = max|x| / qmax`` (``qmax`` 127 for 8 bits, 7 for 4 bits, two values per byte), so
-each value is off by at most ``s / 2``. The mean is two exchanges of integers:
+The floating leaves go into one flat float32 buffer (``_wire.pack``), cut into one chunk
+per replica, and each chunk into blocks of up to ``block_size`` values (a block never
+longer than a chunk, so padding follows the data). A block travels as ``q = round(x /
+s)`` in ``[-qmax, qmax]`` with ``s = max|x| / qmax`` (``qmax`` 127 for 8 bits, 7 for 4
+bits, two values per byte), so each value is off by at most ``s / 2``. The mean is two
+exchanges of integers:
 
-1. the buffer is split into one chunk per replica; an ``all_to_all`` hands each replica
-   its chunk from every peer (its own chunk it keeps in float32, it never travels); it
-   dequantizes, sums in float32 and divides: its chunk of the mean;
+1. an ``all_to_all`` hands each replica its chunk from every peer, its own included,
+   quantized alike (nobody's values are special); it dequantizes, sums in float32 and
+   divides: its chunk of the mean;
 2. it quantizes that chunk mean again and an ``all_gather`` of those integers returns the
    whole mean, identical on every replica (everyone dequantizes the same bytes).
 
+So a mean is a function of the multiset of the replicas' inputs (values plus residuals):
+which replica sums which chunk (its axis position) changes only the order of the float32
+sums. When quantizing would put more bytes on the wire than one float32 all-reduce (a
+tiny tree, a group of one), the mean is that all-reduce instead: exact, and the residual
+becomes zero (see :func:`plan`).
+
 Error feedback keeps what rounding dropped and sends it next time: a replica's residual
-holds its stage-1 rounding error on the chunks it sent, and ``n`` times the stage-2
-rounding error of the chunk mean it owns (its own chunk, which enters the next mean with
-weight ``1 / n``). The sum of the means over many calls then equals the exact sum up to
-one residual, whatever the rounding (see :func:`quantized_mean`).
+holds its stage-1 rounding error on every chunk, and, on the chunk it summed, ``n`` times
+the stage-2 rounding error of that chunk mean (which only it can know; it enters the next
+mean with weight ``1 / n``). The sum of the means over many calls then equals the exact
+sum up to one residual, whatever the rounding (see :func:`quantized_mean`).
 
 A NaN or Inf makes the scale of its block NaN, so that whole block of the mean is NaN on
 every replica (the non-finite values propagate, as with a plain all-reduce, a block wide);
@@ -24,7 +32,8 @@ the residual stays finite (0 where the values were not).
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +44,7 @@ from lsgd_jax import _collectives, _validate, _wire
 from lsgd_jax._collectives import Group, IndexGroups
 
 QMAX = {8: 127, 4: 7}
+MAX_BLOCK = 1 << 24  # values per scale; more is a mistake (a block is cut to a chunk anyway)
 
 
 def check_bits_and_block(bits: Any, block_size: Any) -> tuple[int, int]:
@@ -42,7 +52,7 @@ def check_bits_and_block(bits: Any, block_size: Any) -> tuple[int, int]:
 
     Args:
       bits: 8 or 4.
-      block_size: a positive int, even for 4 bits.
+      block_size: a positive int, even for 4 bits, at most ``MAX_BLOCK`` (2**24).
 
     Returns:
       ``(bits, block_size)``.
@@ -64,6 +74,12 @@ def check_bits_and_block(bits: Any, block_size: Any) -> tuple[int, int]:
             "(two values per byte)."
         )
     block = _validate.positive_int(block_size, "quantized: block_size")
+    if block > MAX_BLOCK:
+        raise ValueError(
+            f"quantized: block_size must be at most {MAX_BLOCK} (2**24) values per scale, "
+            f"got {block}; typical sizes are 32 to 256 (the default is 64), and a block "
+            "longer than one replica's chunk of the values is cut to the chunk anyway."
+        )
     if bits == 4 and block % 2:
         raise ValueError(
             f"quantized: with bits=4 two values share a byte, so block_size must be even, "
@@ -262,10 +278,74 @@ def position(group: Group) -> jax.Array:
     return lax.axis_index(group)
 
 
+class Layout(NamedTuple):
+    """How a buffer is cut for a quantized mean (see :func:`plan`).
+
+    Attributes:
+      block: values per scale (at most the chunk).
+      chunk: values per chunk, the share of one replica of the (outer) group: whole blocks.
+      padded: the buffer's length once padded: ``inner x outer x chunk``.
+    """
+
+    block: int
+    chunk: int
+    padded: int
+
+
+def plan(length: int, inner: int, outer: int, bits: int, block_size: int) -> Layout | None:
+    """The cut of ``length`` values for a quantized mean, or None where a float32
+    all-reduce sends no more bytes (then the mean is that all-reduce: exact).
+
+    One level: ``inner == 1`` and ``outer`` replicas. Two levels: a float32
+    reduce-scatter and all-gather over ``inner`` devices, the quantized mean of each
+    device's shard across ``outer`` nodes. Each replica's chunk is its share of the
+    values (of the shard), padded to whole blocks, and a block is never longer than the
+    chunk: padding stays below one block per chunk, so bytes follow the data. The bytes
+    are compared with the usual algorithms (what ``communication_report`` calls wire
+    bytes): all-to-all + all-gather ``2 (g - 1) x chunk bytes`` against a ring
+    all-reduce's ``2 (g - 1) / g x 4 x length``.
+
+    Args:
+      length: values in the buffer.
+      inner: devices per node (1 for one level).
+      outer: replicas (nodes) the quantized mean runs over.
+      bits: 8 or 4.
+      block_size: the largest block, values per scale.
+
+    Returns:
+      A :class:`Layout`, or None.
+
+    Example:
+      >>> from lsgd_jax import _quantize
+      >>> _quantize.plan(1 << 20, 1, 8, 8, 64)
+      Layout(block=64, chunk=131072, padded=1048576)
+      >>> _quantize.plan(14, 1, 8, 8, 64)  # 2 values per chunk: blocks of 2
+      Layout(block=2, chunk=2, padded=16)
+      >>> _quantize.plan(1, 1, 8, 8, 64) is None  # 5 bytes to send 4
+      True
+    """
+    if length == 0 or outer == 1:
+        return None
+    share = math.ceil(math.ceil(length / inner) / outer)
+    block = min(block_size, share + share % 2 if bits == 4 else share)
+    chunk = math.ceil(share / block) * block
+    padded = inner * outer * chunk
+    chunk_bytes = chunk * bits // 8 + 4 * (chunk // block)
+    quantized = 2 * (outer - 1) * chunk_bytes + 2 * (inner - 1) / inner * 4 * padded
+    n = inner * outer
+    if quantized >= 2 * (n - 1) / n * 4 * length:
+        return None
+    return Layout(block, chunk, padded)
+
+
 def one_level(
     x: jax.Array, group: Group, bits: int, block_size: int
 ) -> tuple[jax.Array, jax.Array]:
     """The quantized mean of a flat buffer over ``group``, and this replica's residual.
+
+    Every chunk is quantized, this replica's own chunk too, so the mean depends only on
+    the replicas' values, not on which of them sums which chunk (up to the order of the
+    float32 sums).
 
     Args:
       x: float32, length a multiple of ``group size * block_size``.
@@ -275,8 +355,8 @@ def one_level(
 
     Returns:
       ``(mean, residual)``, both shaped like ``x``: the mean (identical on every replica
-      of the group) and what this replica's rounding dropped (stage-1 error on the chunks
-      it sent; ``n`` times the stage-2 error on the chunk it owns).
+      of the group) and what this replica's rounding dropped (its stage-1 error on every
+      chunk; plus ``n`` times the stage-2 error on the chunk it summed).
 
     Example:
       >>> import jax, jax.numpy as jnp, lsgd_jax
@@ -290,18 +370,17 @@ def one_level(
     """
     axis, kwargs = _wire.axis_and_kwargs(group)
     n = _collectives.group_size(group)
-    pos = position(group)
     rows = x.reshape(n, -1)
     length = rows.shape[1]
     wire, sent = encode(rows, bits, block_size)
     received = decode(lax.all_to_all(wire, axis, 0, 0, **kwargs), bits, block_size, length)
-    own = (jnp.arange(n) == pos)[:, None]
-    own_rows = lax.dynamic_index_in_dim(rows, pos, 0, keepdims=True)
-    chunk_mean = jnp.where(own, own_rows, received).sum(axis=0) / n  # own chunk exact
+    chunk_mean = received.sum(axis=0) / n
     wire2, sent2 = encode(chunk_mean[None], bits, block_size)
     gathered = _collectives.all_gather_tiled(wire2[0], axis, kwargs).reshape(n, -1)
     mean = decode(gathered, bits, block_size, length).reshape(-1)
-    residual = jnp.where(own, n * (chunk_mean - sent2[0])[None], rows - sent)
+    # Only the replica that summed a chunk knows its stage-2 error: it keeps n times it.
+    own = (jnp.arange(n) == position(group))[:, None]
+    residual = rows - sent + jnp.where(own, n * (chunk_mean - sent2[0])[None], 0.0)
     residual = jnp.where(jnp.isfinite(residual), residual, 0.0)
     return mean, residual.reshape(-1)
 
@@ -387,41 +466,60 @@ def quantized_mean(
       >>> f(jnp.array([1.0, 3.0]))
       Array([2., 2.], dtype=float32)
     """
-    if two_level_inner is not None and _inside_node(group, two_level_inner):
-        # Two-level means float32 inside the node: a mean that never leaves it (a
-        # hierarchy's node level) is exact, and leaves the residual alone.
-        return _collectives.mean(tree, group, cast), state
+    if two_level_inner is not None:
+        _wire.check_inner_axis(group, two_level_inner, "quantized(two_level=True)")
+        if _inside_node(group, two_level_inner):
+            # Two-level means float32 inside the node: a mean that never leaves it (a
+            # hierarchy's node level) is exact, and leaves the residual alone.
+            return _collectives.mean(tree, group, cast), state
     packed = _wire.pack(tree)
     if not packed.picked:
         return tree, state
-    x = packed.flat
-    residual_packed = None
-    if state is not None:
-        residual_packed = _wire.pack(state)
-        if residual_packed.size != packed.size:
-            raise ValueError(
-                f"quantized: the error-feedback state holds {residual_packed.size} values "
-                f"but the tree to average holds {packed.size}; create the state with "
-                "strategy.init(tree) for a tree of the same structure and shapes."
-            )
-        x = x + residual_packed.flat
+    residual_packed = _residual(packed, state)
+    if not packed.size:  # only empty leaves: each one's mean is itself
+        return packed.unpack(packed.flat, cast), state
+    x = packed.flat if residual_packed is None else packed.flat + residual_packed.flat
     split = None
     if two_level_inner is not None:
         split = _wire.split_two_level(group, two_level_inner)
-    if split is not None:
-        inner, outer = split
-        multiple = lax.axis_size(inner) * lax.axis_size(outer) * block_size
-    else:
-        multiple = _collectives.group_size(group) * block_size
-    x = jnp.pad(x, (0, (-packed.size) % multiple))
-    if split is not None:
-        mean, residual = two_level(x, inner, outer, bits, block_size)
-    else:
-        mean, residual = one_level(x, group, bits, block_size)
+    mean, residual = _send(x, group, split, bits, block_size)
     value = packed.unpack(mean[: packed.size], cast)
     if residual_packed is None:
         return value, None
     return value, residual_packed.unpack(residual[: packed.size], cast=False)
+
+
+def _residual(packed: _wire.Packed, state: Any) -> _wire.Packed | None:
+    """The error-feedback state packed like the values (None without it)."""
+    if state is None:
+        return None
+    residual = _wire.pack(state)
+    if residual.size != packed.size:
+        raise ValueError(
+            f"quantized: the error-feedback state holds {residual.size} values "
+            f"but the tree to average holds {packed.size}; create the state with "
+            "strategy.init(tree) for a tree of the same structure and shapes."
+        )
+    return residual
+
+
+def _send(
+    x: jax.Array, group: Group, split: tuple[str, tuple[Any, ...]] | None, bits: int, block: int
+) -> tuple[jax.Array, jax.Array]:
+    """``(mean, residual)`` of the flat buffer ``x``, as :func:`plan` cuts it: quantized
+    in one or two levels, or one float32 all-reduce (exact: the residual is zero)."""
+    length = x.shape[0]
+    if split is not None:
+        inner, outer = split
+        layout = plan(length, lax.axis_size(inner), lax.axis_size(outer), bits, block)
+    else:
+        layout = plan(length, 1, _collectives.group_size(group), bits, block)
+    if layout is None:
+        return _collectives.mean(x, group, cast=False), jnp.zeros_like(x)
+    x = jnp.pad(x, (0, layout.padded - length))
+    if split is not None:
+        return two_level(x, inner, outer, bits, layout.block)
+    return one_level(x, group, bits, layout.block)
 
 
 def _inside_node(group: Group, inner: str) -> bool:
