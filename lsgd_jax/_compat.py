@@ -7,6 +7,7 @@ instead of the library failing (or silently degrading) elsewhere.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -44,3 +45,70 @@ def all_gather_invariant() -> Callable[..., Any] | None:
     from jax._src.lax import parallel
 
     return getattr(parallel, "all_gather_invariant", None)
+
+
+def backends_are_initialized() -> bool:
+    """Whether JAX's backend (its devices, the XLA client) has started.
+
+    Flags such as the collective timeout and ``jax.distributed.initialize`` only take
+    effect before that.
+
+    Example:
+      >>> import jax
+      >>> from lsgd_jax import _compat
+      >>> _ = jax.devices(); _compat.backends_are_initialized()
+      True
+    """
+    from jax._src import xla_bridge
+
+    return bool(xla_bridge.backends_are_initialized())
+
+
+def distributed_client() -> Any | None:
+    """The ``jax.distributed`` client (its key-value store, ``get_live_nodes``), or None
+    when ``jax.distributed`` is not initialized.
+
+    Example:
+      >>> from lsgd_jax import _compat
+      >>> _compat.distributed_client() is None  # a single-process session
+      True
+    """
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def _compile_functions() -> tuple[tuple[Any, str], ...]:
+    from jax._src import compiler, pjit
+
+    # jit's tracing (also of a jitted function's body), its lowering to StableHLO, and
+    # XLA's compilation (or a persistent-cache hit).
+    return (
+        (pjit, "_infer_params"),
+        (pjit, "_resolve_and_lower"),
+        (compiler, "compile_or_get_cached"),
+    )
+
+
+COMPILE_FUNCTIONS = _compile_functions()
+_COMPILE_CODE = {(m.__file__, name) for m, name in COMPILE_FUNCTIONS}
+
+
+def compiling(thread_id: int) -> bool:
+    """Whether the thread ``thread_id`` is tracing, lowering or compiling a jitted program.
+
+    Read from the thread's Python stack (XLA's compilation releases the GIL, so another
+    thread can look while it runs).
+
+    Example:
+      >>> import threading
+      >>> from lsgd_jax import _compat
+      >>> _compat.compiling(threading.get_ident())
+      False
+    """
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        if (frame.f_code.co_filename, frame.f_code.co_name) in _COMPILE_CODE:
+            return True
+        frame = frame.f_back
+    return False

@@ -28,3 +28,28 @@ def test_all_gather_invariant_exists_and_gathers():
     )
     out = f(put(jnp.arange(8.0), mesh, DATA))
     assert out.tolist() == list(range(8))
+
+
+def test_backend_and_distributed_state_are_found():
+    jax.devices()  # the tests' backend is up; jax.distributed is not initialized here
+    assert _compat.backends_are_initialized() is True
+    assert _compat.distributed_client() is None
+
+
+def test_compilation_is_seen_on_a_threads_stack():
+    import threading
+
+    me = threading.get_ident()
+    seen = []
+
+    def f(x):
+        seen.append(_compat.compiling(me))  # runs while jit traces f
+        return x * 2
+
+    assert _compat.compiling(me) is False
+    jax.jit(f)(jnp.ones(3))
+    assert seen == [True]
+    assert _compat.compiling(me) is False
+    # Each function it looks for is still where it looks (tracing, lowering, compiling).
+    for module, name in _compat.COMPILE_FUNCTIONS:
+        assert callable(getattr(module, name, None)), f"jax moved {module.__name__}.{name}"
