@@ -18,17 +18,32 @@ from typing import Any
 
 import jax
 
-from lsgd_jax import _heal, _membership
-from lsgd_jax._membership import CoordinatorLostError, Layout, View
+from lsgd_jax import _compat, _heal, _membership
+from lsgd_jax._membership import CoordinatorLostError, Layout, RunEndedError, View
 
 logger = logging.getLogger("lsgd_jax.elastic")
 AXES = ("node", "local")
 
 
+def _end_process(label: str) -> None:
+    os._exit(75)
+
+
 class Watchdog:
-    """Ends this process if one attempt takes longer than ``timeout_s`` (a stall that
+    """Ends this process if one attempt's own work stalls for ``timeout_s`` (a stall that
     heartbeats do not reveal, e.g. a data loader stuck in Python): the others then see
     a dead process and go on, and a restarted one can join.
+
+    Compiling is not a stall: while the armed thread traces, lowers or compiles a
+    program (a first step, a new phase, a new membership's mesh), the clock is held at
+    zero; it runs again once that ends (seen within a tick, a twentieth of the limit at
+    most). So an attempt is ended when it runs ``timeout_s`` seconds without compiling,
+    however long its compiles take.
+
+    Args:
+      timeout_s: the limit (None: never fires).
+      on_stall: called with the attempt's label when it fires (default: this process
+        ends with exit code 75).
 
     Example:
       >>> from lsgd_jax._attempts import Watchdog
@@ -36,32 +51,82 @@ class Watchdog:
       >>> dog.arm("step 3"); dog.disarm()
     """
 
-    def __init__(self, timeout_s: float | None) -> None:
-        self._timeout_s = timeout_s
+    def __init__(
+        self, timeout_s: float | None, on_stall: Callable[[str], None] = _end_process
+    ) -> None:
+        self._timeout_s, self._on_stall = timeout_s, on_stall
+        self._lock = threading.Lock()
         self._deadline: float | None = None
         self._label = ""
+        self._thread = 0  # the armed thread
+        self._closed = False
         if timeout_s is not None:
+            # Compiles are seen by sampling: a tick is a small part of the limit.
+            self._tick = min(0.5, timeout_s / 20)
             threading.Thread(target=self._watch, daemon=True, name="lsgd-watchdog").start()
 
     def _watch(self) -> None:
-        while True:
-            time.sleep(0.5)
-            deadline = self._deadline
-            if deadline is not None and time.monotonic() > deadline:
+        while not self._closed:
+            time.sleep(self._tick)
+            label = self._expired()
+            if label is not None:
                 logger.error(
                     "lsgd_jax.elastic: %s took more than stall_timeout_s=%s s; this process "
                     "ends so that the others can go on without it.",
-                    self._label,
+                    label,
                     self._timeout_s,
                 )
-                os._exit(75)
+                self._on_stall(label)
+
+    def _expired(self) -> str | None:
+        """The label if the armed attempt stalled (then disarmed), else None; pushes the
+        deadline while the armed thread compiles."""
+        assert self._timeout_s is not None  # only the watching thread calls it
+        with self._lock:
+            if self._deadline is None:
+                return None
+            now = time.monotonic()
+            if _compat.compiling(self._thread):
+                self._deadline = max(self._deadline, now + self._timeout_s)
+                return None
+            if now <= self._deadline:
+                return None
+            self._deadline = None
+            return self._label
 
     def arm(self, label: str) -> None:
+        """Starts timing the calling thread's attempt."""
         if self._timeout_s is not None:
-            self._label, self._deadline = label, time.monotonic() + self._timeout_s
+            with self._lock:
+                self._label, self._thread = label, threading.get_ident()
+                self._deadline = time.monotonic() + self._timeout_s
 
     def disarm(self) -> None:
-        self._deadline = None
+        with self._lock:
+            self._deadline = None
+
+    def close(self) -> None:
+        """Stops the watching thread (at its next tick)."""
+        self.disarm()
+        self._closed = True
+
+
+def peer_gone(e: BaseException) -> bool:
+    """Whether an attempt's error can mean that a peer is gone (then it is retried).
+
+    ``live_devices`` says a process failed (``ProcessFailureError``); a collective or
+    the coordination service's store failed or timed out (JAX's runtime errors). Any
+    other error is deterministic (the user's loss, batch or state; a bug) and a retry
+    would only repeat it.
+
+    Example:
+      >>> from lsgd_jax._attempts import peer_gone
+      >>> peer_gone(ValueError("a bad batch"))
+      False
+    """
+    from jax.experimental.multihost_utils import ProcessFailureError
+
+    return isinstance(e, (ProcessFailureError, jax.errors.JaxRuntimeError))
 
 
 def settle(tree: Any) -> Any:
@@ -95,7 +160,8 @@ class Attempts:
     Args:
       fresh: ``fresh(mesh) -> (params, opt_state)``, a new state over a mesh (what a
         joining process starts from before it is healed).
-      stall_timeout_s: the watchdog's limit on one attempt's own work (None: never).
+      stall_timeout_s: the watchdog's limit on one attempt's own work, compiles not
+        counted (None: never).
       max_failures: consecutive failed attempts after which :meth:`retrying` gives up.
 
     Attributes:
@@ -116,6 +182,7 @@ class Attempts:
         self._fresh, self._max_failures = fresh, max_failures
         self._membership = _membership.Membership(timeout_s=120.0)
         _membership.forget_own_gloo_keys({d.id for d in jax.local_devices()})
+        _membership.forget_user_error(jax.process_index())
         self._watchdog = Watchdog(stall_timeout_s)
         self.view: View | None = None
         self.layout: Layout | None = None
@@ -157,6 +224,20 @@ class Attempts:
             )
         return members
 
+    def _body(self, members, state, step: int, work: Callable[..., Any]):
+        """The attempt inside the barrier: agree, adopt, work. Returns ``(out, step, view,
+        layout, changed)``."""
+        view = self._membership.agree(members, step, jax.process_index(), self.view)
+        changed = self.view is None or view.epoch != self.view.epoch
+        if changed and self.view is not None:  # did one leave because of a user error?
+            _membership.raise_user_error(sorted(set(self.view.processes) - set(view.processes)))
+        layout = self.layout
+        if changed or layout is None:
+            layout = _membership.layout_for(view)
+        if changed or self.given is not None:
+            state, step = self._adopt(state, step, view, layout, changed)
+        return settle(work(state, step, layout)), step, view, layout, changed
+
     def _attempt(self, state, step: int, work: Callable[..., Any], label: str):
         from jax.experimental import multihost_utils as mh
 
@@ -171,14 +252,12 @@ class Attempts:
             # failure to be detected is not a stall of this process.
             self._watchdog.arm(f"{label} (step {step})")
             try:
-                view = self._membership.agree(members, step, jax.process_index(), self.view)
-                changed = self.view is None or view.epoch != self.view.epoch
-                layout = self.layout
-                if changed or layout is None:
-                    layout = _membership.layout_for(view)
-                if changed or self.given is not None:
-                    state, step = self._adopt(state, step, view, layout, changed)
-                out = settle(work(state, step, layout))
+                out, step, view, layout, changed = self._body(members, state, step, work)
+            except Exception as e:
+                if not (peer_gone(e) or isinstance(e, (RunEndedError, CoordinatorLostError))):
+                    # Before the barrier: the others read it once their attempt fails.
+                    _membership.post_user_error(jax.process_index(), step, first_line(e))
+                raise
             finally:
                 self._watchdog.disarm()
         if changed and self.view is not None:
@@ -212,9 +291,14 @@ class Attempts:
         while True:
             try:
                 out, new_step, changed = self._attempt(state, step, work, label)
-            except CoordinatorLostError:
-                raise
-            except Exception as e:  # a dead peer, a timed-out collective, a new member
+            except Exception as e:
+                if not peer_gone(e):  # the user's error (or the coordinator's loss): at once
+                    raise
+                # A dead peer, a timed-out collective, a new member; or a peer that left
+                # with an error of the user's (then this process stops too).
+                me, n = jax.process_index(), jax.process_count()
+                peers = self.view.processes if self.view is not None else range(n)
+                _membership.raise_user_error([p for p in peers if p != me], e)
                 failures.append(f"step {step}: {first_line(e)}")
                 logger.warning("lsgd_jax.elastic: %s failed (%s); retrying.", label, failures[-1])
                 if len(failures) >= self._max_failures:

@@ -32,11 +32,61 @@ class CoordinatorLostError(RuntimeError):
     """Process 0 (the coordination service's host) is gone: no elastic run can go on."""
 
 
+class RunEndedError(RuntimeError):
+    """Another process ended the run with an error in the user's code or arguments (its
+    own traceback shows it): every process stops, as after that error on each."""
+
+
+def _error_key(process: int) -> str:
+    return f"{PREFIX}/user_error/{process}"
+
+
+def post_user_error(me: int, step: int, error: str) -> None:
+    """Tells the others that this process ends the run at ``step`` with ``error`` (a
+    deterministic error: the user's loss, batch or state), so that they stop too instead
+    of going on without it."""
+    try:
+        record = json.dumps({"step": step, "error": error})
+        client().key_value_set(_error_key(me), record, allow_overwrite=True)
+    except Exception:  # the service is gone: the others end anyway
+        pass
+
+
+def forget_user_error(me: int) -> None:
+    """Deletes what an earlier incarnation of this process posted (a restart fixed it)."""
+    try:
+        client().key_value_delete(_error_key(me))
+    except Exception:  # nothing was posted
+        pass
+
+
+def raise_user_error(processes: Any, cause: BaseException | None = None) -> None:
+    """RunEndedError if one of ``processes`` ended the run with a user error; else None.
+
+    Args:
+      processes: the processes to ask about (e.g. those that just left the run).
+      cause: the error this process saw meanwhile (chained).
+    """
+    c = client()
+    for p in processes:
+        try:
+            text = c.key_value_try_get(_error_key(p))
+        except Exception:  # none posted (NOT_FOUND), or the service is gone
+            continue
+        d = json.loads(text)
+        raise RunEndedError(
+            f"lsgd_jax.elastic: process {p} ended the run at step {d['step']} with "
+            f"{d['error']} (an error in the user's code or arguments, not a failure of a "
+            "process; that process's traceback shows it); every process stops. Fix it and "
+            "start the job again."
+        ) from cause
+
+
 def client() -> Any:
     """The ``jax.distributed`` client; a clear error when JAX is not initialized."""
-    from jax._src import distributed
+    from lsgd_jax import _compat
 
-    c = distributed.global_state.client
+    c = _compat.distributed_client()
     if c is None:
         raise RuntimeError(
             "lsgd_jax.elastic: jax.distributed is not initialized; call "

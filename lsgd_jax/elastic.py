@@ -39,7 +39,9 @@ Example (each of N processes runs this, with its own ``process_id``)::
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
+import math
 import os
 import socket
 import time
@@ -47,6 +49,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -114,17 +117,28 @@ def initialize(
     Returns:
       None.
 
+    Raises:
+      ValueError / TypeError: a bad argument (checked before any JAX or network work).
+      RuntimeError: JAX's backend is already running.
+      CoordinatorLostError: no coordination service at the address after
+        ``initialization_timeout_s`` (process 0 is gone or not started).
+
     Example:
       >>> import lsgd_jax.elastic as elastic
       >>> elastic.initialize("127.0.0.1:9876", 3, 0, num_cpu_devices=2)  # doctest: +SKIP
     """
-    from jax._src import xla_bridge
+    from lsgd_jax import _compat
 
-    if platform not in ("cpu", "gpu"):
-        raise ValueError(f"initialize: platform must be 'cpu' or 'gpu', got {platform!r}.")
-    _validate.positive_int(heartbeat_timeout_s, "initialize: heartbeat_timeout_s")
-    _validate.positive_int(collective_timeout_s, "initialize: collective_timeout_s")
-    if xla_bridge.backends_are_initialized():
+    _check_initialize_args(
+        coordinator_address,
+        num_processes,
+        process_id,
+        platform,
+        num_cpu_devices,
+        local_device_ids,
+        (heartbeat_timeout_s, collective_timeout_s, initialization_timeout_s),
+    )
+    if _compat.backends_are_initialized():
         raise RuntimeError(
             "lsgd_jax.elastic.initialize: JAX's backend is already running, so its "
             "collective timeouts can no longer be set; call initialize() before any "
@@ -153,15 +167,77 @@ def initialize(
     )
 
 
+def _check_initialize_args(
+    address: Any,
+    num_processes: Any,
+    process_id: Any,
+    platform: Any,
+    num_cpu_devices: Any,
+    local_device_ids: Any,
+    timeouts: tuple[Any, Any, Any],
+) -> None:
+    """initialize's argument checks, all before any JAX or network work."""
+    if platform not in ("cpu", "gpu"):
+        raise ValueError(f"initialize: platform must be 'cpu' or 'gpu', got {platform!r}.")
+    _host_port(address)
+    n = _validate.positive_int(num_processes, "initialize: num_processes")
+    if not _validate._is_int(process_id) or not 0 <= process_id < n:
+        raise ValueError(
+            f"initialize: process_id must be in [0, {n}) for num_processes={n}, got "
+            f"{process_id!r}; give each process its own index 0 .. {n - 1} (a restarted "
+            "process reuses its old one)."
+        )
+    _validate.optional_positive_int(num_cpu_devices, "initialize: num_cpu_devices")
+    if local_device_ids is not None and not (
+        isinstance(local_device_ids, (list, tuple))
+        and all(_validate._is_int(i) and i >= 0 for i in local_device_ids)
+    ):
+        raise ValueError(
+            "initialize: local_device_ids must be None or a list of device indices (ints "
+            f">= 0), got {local_device_ids!r}."
+        )
+    names = ("heartbeat_timeout_s", "collective_timeout_s", "initialization_timeout_s")
+    for name, value in zip(names, timeouts):
+        _validate.positive_int(value, f"initialize: {name}")
+
+
+def _host_port(address: Any) -> tuple[str, int]:
+    """``(host, port)`` of a ``"host:port"`` address; ValueError saying the form else."""
+    host, _, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(
+            f"initialize: coordinator_address must be 'host:port' (e.g. '10.0.0.1:9876', "
+            f"with the port process 0's service listens on, 1-65535), got {address!r}."
+        )
+    return host, int(port)
+
+
+def _positive_seconds(value: Any, name: str, none_ok: bool = False) -> float | None:
+    """``value`` as seconds > 0 (finite; None too when ``none_ok``), else a clear error."""
+    if value is None and none_ok:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(
+            f"{name} must be a positive number of seconds{' or None' if none_ok else ''}, "
+            f"got {value!r} ({type(value).__name__})."
+        )
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"{name} must be a positive number of seconds"
+            f"{' (or None: never)' if none_ok else ''}, got {value!r}."
+        )
+    return float(value)
+
+
 def _wait_for_coordinator(address: str, timeout_s: float) -> None:
     """Returns once ``address`` accepts TCP connections; CoordinatorLostError after
     ``timeout_s`` (else JAX would retry for its whole initialization timeout and then
     abort the process)."""
-    host, _, port = address.rpartition(":")
+    host, port = _host_port(address)
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            with socket.create_connection((host or "127.0.0.1", int(port)), timeout=1.0):
+            with socket.create_connection((host or "127.0.0.1", port), timeout=1.0):
                 return
         except OSError as e:
             if time.monotonic() > deadline:
@@ -209,7 +285,121 @@ class ElasticResult:
     records: list[StepRecord]
 
 
+def _check_state(state: Any, init_params: Any, tx: Any) -> None:
+    """ValueError unless ``state`` is ``(params, opt_state)`` of this loop's structure and
+    shapes, with one replica on each of this process's devices (what a step needs)."""
+    where = "ElasticLoop.run: initial_state"
+    if not (isinstance(state, (tuple, list)) and len(state) == 2):
+        raise ValueError(f"{where} must be a pair (params, opt_state), got {type(state)}.")
+    like = (init_params, jax.eval_shape(tx.init, init_params))
+    devices = set(jax.local_devices())
+    for name, tree, model in zip(("params", "opt_state"), state, like):
+        got: Any = jax.tree.structure(tree)
+        if got != jax.tree.structure(model):
+            raise ValueError(
+                f"{where}: its {name} tree does not have the structure of this loop's (from "
+                f"init_params and tx.init): {got} is not {jax.tree.structure(model)}; pass "
+                "this loop's own state (a result, or a checkpoint restored with it as the "
+                "template)."
+            )
+        flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+        for (path, x), m in zip(flat, jax.tree.leaves(model)):
+            shards = {s.device: s.data.shape for s in getattr(x, "addressable_shards", [])}
+            per_device = set(shards.values())
+            shape = tuple(getattr(m, "shape", np.shape(m)))
+            if devices - set(shards) or per_device != {(1, *shape)}:
+                raise ValueError(
+                    f"{where}: {name}{jax.tree_util.keystr(path)} (shape {np.shape(x)}, "
+                    f"{len(shards)} local shards of shapes {sorted(per_device)}) must have a "
+                    f"leading replica axis with one replica of shape {shape} on each "
+                    f"of this process's {len(devices)} devices, like a result's params and "
+                    "opt_state or lsgd_jax.replicate(x, mesh)."
+                )
+
+
+def _start_state(
+    num_steps: Any, first_step: Any, initial_state: Any, ran: bool, init_params: Any, tx: Any
+) -> Any:
+    """run's argument checks; the state to start from (None: fresh). On an error, the
+    other processes are told (they stop too instead of going on without this one)."""
+    try:
+        _validate.positive_int(num_steps, "ElasticLoop.run: num_steps")
+        if not _validate._is_int(first_step) or not 0 <= first_step < num_steps:
+            raise ValueError(
+                f"ElasticLoop.run: first_step must be in [0, num_steps), got first_step="
+                f"{first_step!r} and num_steps={num_steps}."
+            )
+        if initial_state is None and ran:
+            raise ValueError(
+                "ElasticLoop.run: this loop ran before; pass initial_state=(result.params, "
+                "result.opt_state) and first_step=<its step> to go on from where it stopped."
+            )
+        if initial_state is None and first_step > 0:
+            raise ValueError(
+                f"ElasticLoop.run: first_step={first_step} needs initial_state=(params, "
+                f"opt_state), the state at step {first_step} (e.g. restored from a "
+                "checkpoint): a fresh state is the state at step 0, and its counters "
+                "would not match the steps. (A process that rejoins a running job calls "
+                "run(num_steps) alone: it learns the step from the others.)"
+            )
+        if initial_state is not None:
+            _check_state(initial_state, init_params, tx)
+    except Exception as e:
+        step = first_step if _validate._is_int(first_step) else 0
+        _membership.post_user_error(jax.process_index(), step, _attempts.first_line(e))
+        raise
+    return None if initial_state is None else tuple(initial_state)
+
+
+def _record(step: int, processes: Any, loss: Any, recovery: Any, failures: Any) -> StepRecord:
+    """The step's record; a warning if it followed failures or a membership change."""
+    record = StepRecord(step, processes, float(loss), recovery, failures)
+    if failures or recovery is not None:
+        logger.warning(
+            "lsgd_jax.elastic: step %d completed on processes %s after %s (recovery %.2f s)",
+            step,
+            list(processes),
+            "; ".join(failures) or "a membership change",
+            recovery or 0.0,
+        )
+    return record
+
+
 _FORBIDDEN_OPTIONS = ("donate", "axes", "with_model_state", "has_aux", "overlap")
+
+
+def _check_loop_args(
+    loss_fn: Any, tx: Any, step_options: Any, stall_timeout_s: Any, max_failures: Any
+) -> tuple[float | None, int]:
+    """ElasticLoop's argument checks, all before it needs ``jax.distributed``: the step
+    options by building the step once on one device (it checks them as the real one
+    will), so that a bad one fails here and not in every attempt."""
+    from lsgd_jax._step import data_parallel_step
+
+    options = dict(step_options or {})
+    bad = sorted(set(options) & set(_FORBIDDEN_OPTIONS))
+    if bad:
+        raise ValueError(
+            f"ElasticLoop: step_options {bad} cannot be set: a retried step needs its "
+            "inputs (no donation), and model state, aux and overlap are not supported "
+            "by the elastic loop yet; remove them."
+        )
+    known = [
+        name
+        for name, p in inspect.signature(data_parallel_step).parameters.items()
+        if p.kind is p.KEYWORD_ONLY and name not in _FORBIDDEN_OPTIONS
+    ]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(
+            f"ElasticLoop: unknown step_options {unknown}; the elastic loop passes these "
+            f"keywords to data_parallel_step: {known}."
+        )
+    stall = _positive_seconds(stall_timeout_s, "ElasticLoop: stall_timeout_s", none_ok=True)
+    failures = _validate.positive_int(max_failures, "ElasticLoop: max_failures")
+    one = Mesh(np.array(jax.local_devices()[:1]).reshape(1, 1), ("node", "local"))
+    data_parallel_step(loss_fn, tx, one, donate=False, overlap=False, **options)
+    return stall, failures
 
 
 class ElasticLoop:
@@ -230,12 +420,20 @@ class ElasticLoop:
         batch of ``step`` (``layout.devices_per_process`` times the rows per replica),
         e.g. rows chosen by ``layout.row`` or by the process index.
       step_options: more keyword arguments for ``data_parallel_step`` (e.g.
-        ``{"specialize": "switch"}``); donation and overlap are off (a retry needs the
-        state before the step), model state and aux are not supported yet.
+        ``{"specialize": "switch"}``), checked here; donation and overlap are off (a
+        retry needs the state before the step), model state and aux are not supported
+        yet.
       stall_timeout_s: end this process if one attempt's own work (everything but the
-        barrier that waits for the others) takes longer (None: never); keep it above
-        the collective timeout and the first step's compile time.
-      max_failures: consecutive failed attempts after which :meth:`run` gives up.
+        barrier that waits for the others) goes on this many seconds without compiling
+        (None: never). Compiling a program (the first step, a new phase, a new
+        membership's mesh) is not a stall, however long; keep it above the collective
+        timeout.
+      max_failures: consecutive failed attempts after which :meth:`run` gives up. Only
+        failures that can mean a dead peer (JAX's runtime errors: a collective or the
+        coordination service failed or timed out; ``live_devices``'s
+        ``ProcessFailureError``) are retried; any other error (the loss's, the
+        batch's, a bad ``initial_state``) is raised at once, and the other processes
+        stop too with a ``RuntimeError`` naming it.
       on_step: called with each :class:`StepRecord` as the step completes.
       on_attempt: called with ``(step, layout)`` as each attempt starts its step.
 
@@ -258,16 +456,11 @@ class ElasticLoop:
         on_step: Callable[[StepRecord], None] | None = None,
         on_attempt: Callable[[int, Layout], None] | None = None,
     ) -> None:
-        bad = sorted(set(step_options or {}) & set(_FORBIDDEN_OPTIONS))
-        if bad:
-            raise ValueError(
-                f"ElasticLoop: step_options {bad} cannot be set: a retried step needs its "
-                "inputs (no donation), and model state, aux and overlap are not supported "
-                "by the elastic loop yet; remove them."
-            )
+        stall_timeout_s, max_failures = _check_loop_args(
+            loss_fn, tx, step_options, stall_timeout_s, max_failures
+        )
         self._loss_fn, self._tx, self._init_params = loss_fn, tx, init_params
         self._batch_fn, self._options = batch_fn, dict(step_options or {})
-        max_failures = _validate.positive_int(max_failures, "ElasticLoop: max_failures")
         self._on_step, self._on_attempt = on_step, on_attempt
         self._attempts = _attempts.Attempts(self._fresh, stall_timeout_s, max_failures)
         self._steps: dict[tuple[int, ...], Any] = {}
@@ -328,19 +521,9 @@ class ElasticLoop:
           >>> more = loop.run(200, first_step=100,  # doctest: +SKIP
           ...                 initial_state=(first.params, first.opt_state))
         """
-        _validate.positive_int(num_steps, "ElasticLoop.run: num_steps")
-        if not 0 <= first_step < num_steps:
-            raise ValueError(
-                f"ElasticLoop.run: first_step must be in [0, num_steps), got first_step="
-                f"{first_step} and num_steps={num_steps}."
-            )
         attempts = self._attempts
-        if initial_state is None and attempts.view is not None:
-            raise ValueError(
-                "ElasticLoop.run: this loop ran before; pass initial_state=(result.params, "
-                "result.opt_state) and first_step=<its step> to go on from where it stopped."
-            )
-        state = None if initial_state is None else tuple(initial_state)
+        ran = attempts.view is not None
+        state = _start_state(num_steps, first_step, initial_state, ran, self._init_params, self._tx)
         attempts.given = state  # moved onto the mesh by the first attempt that succeeds
         step: int = first_step
         records: list[StepRecord] = []
@@ -351,16 +534,7 @@ class ElasticLoop:
             )
             state = (params, opt_state)
             assert self.layout is not None  # set by the attempt that succeeded
-            record = StepRecord(step, self.layout.processes, float(loss), recovery, failures)
-            if failures or recovery is not None:
-                logger.warning(
-                    "lsgd_jax.elastic: step %d completed on processes %s after %s "
-                    "(recovery %.2f s)",
-                    step,
-                    list(record.live_processes),
-                    "; ".join(failures) or "a membership change",
-                    recovery or 0.0,
-                )
+            record = _record(step, self.layout.processes, loss, recovery, failures)
             records.append(record)
             attempts.records_started = True
             if self._on_step is not None:
@@ -419,6 +593,7 @@ def shutdown(processes: Any = None, timeout_s: float = 30.0) -> None:
     Example:
       >>> lsgd_jax.elastic.shutdown(result.layout.processes)  # doctest: +SKIP
     """
+    _positive_seconds(timeout_s, "lsgd_jax.elastic.shutdown: timeout_s")
     c, me = _membership.client(), jax.process_index()
     if me != 0:
         c.key_value_set(f"{_membership.PREFIX}/done/{me}", "1", allow_overwrite=True)

@@ -191,3 +191,73 @@ def test_a_run_goes_on_from_a_given_state_exactly(tmp_path):
     assert result["steps"] == list(range(12))
     assert "pass initial_state=" in result["errors"][0]
     assert "first_step must be in [0, num_steps)" in result["errors"][1]
+
+
+def run_worker(*args, timeout=120):
+    """tests/elastic_resume_worker.py in one process: (exit code, output, seconds)."""
+    from multiprocess import free_port
+
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "elastic_resume_worker.py"), str(free_port())]
+        + list(args),
+        capture_output=True,
+        text=True,
+        env=worker_env(),
+        cwd=ROOT,
+        timeout=timeout,
+    )
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - t0
+
+
+def test_user_errors_raise_at_once_and_are_not_retried():
+    code, out, _ = run_worker("misuse")
+    line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
+    assert code == 0 and line, out[-4000:]
+    got = json.loads(line[len("RESULT ") :])
+    # The user's own error, from the first attempt (not 20 retries as if peers had died).
+    assert got["loss"]["error"] == "ValueError: the loss failed" and got["loss"]["attempts"] == 1
+    assert got["batch"]["attempts"] == 1, got["batch"]
+    assert got["batch"]["error"].startswith("TypeError: dot_general"), got["batch"]
+    # State that is not per-replica state of this loop: refused before any attempt.
+    for name in ("unreplicated", "other_tx"):
+        assert got[name]["attempts"] == 0, got[name]
+        assert got[name]["error"].startswith("ValueError: ElasticLoop.run: initial_state")
+    assert "leading replica axis" in got["unreplicated"]["error"]
+    assert "structure" in got["other_tx"]["error"]
+    assert got["first_step"]["attempts"] == 0
+    assert "first_step=2 needs initial_state" in got["first_step"]["error"]
+
+
+def test_a_first_compile_longer_than_the_stall_timeout_is_not_a_stall():
+    # stall_timeout_s=4 and a first step whose trace takes 8 s: it completes; a later
+    # step stuck in Python is still ended by the watchdog (exit code 75).
+    code, out, seconds = run_worker("compile")
+    assert "SURVIVED [0, 1, 2]" in out, out[-4000:]
+    assert "STALLING" in out and "NOT ENDED" not in out, out[-4000:]
+    assert code == 75, out[-4000:]
+    assert "took more than stall_timeout_s=4.0 s" in out
+
+
+@pytest.mark.parametrize("who", ["every", "1"])
+def test_a_loss_that_raises_ends_every_process_at_once(tmp_path, who):
+    # The user's error on every process (or one process's error, named, on the others),
+    # after one attempt: not retried as if a peer had died.
+    from multiprocess import free_port, processes, wait_all
+
+    port, worker = str(free_port()), str(ROOT / "tests" / "elastic_resume_worker.py")
+    cmds = [[sys.executable, worker, port, "user-error", "2", str(i), who] for i in range(2)]
+    t0 = time.monotonic()
+    with processes(cmds, tmp_path) as procs:
+        codes = wait_all(procs, 90)
+        seconds = time.monotonic() - t0
+        outs = [p.output() for p in procs]
+    logs = "\n".join(f"--- process {i} ---\n{o[-3000:]}" for i, o in enumerate(outs))
+    assert None not in codes and 0 not in codes, f"{codes}\n{logs}"
+    for i, o in enumerate(outs):
+        assert o.count("ATTEMPT 2") == 1 and "ATTEMPT 3" not in o and "FINISHED" not in o, logs
+        if who == "every" or int(who) == i:
+            assert f"ValueError: the loss failed on process {i}" in o, logs
+        else:  # found when its collective timed out (collective_timeout_s, 5 s)
+            assert f"process {who} ended the run at step 2 with ValueError: the loss " in o, logs
+    assert seconds < 60, seconds

@@ -6,16 +6,18 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import lsgd_jax
-from lsgd_jax import _heal, _membership
+from lsgd_jax import _attempts, _heal, _membership
 from lsgd_jax.elastic import ElasticLoop
 
 AXES = ("node", "local")
@@ -140,3 +142,79 @@ def test_initialize_refuses_a_running_backend():
         lsgd_jax.elastic.initialize("127.0.0.1:1", 2, 0)
     with pytest.raises(ValueError, match="platform must be"):
         lsgd_jax.elastic.initialize("127.0.0.1:1", 2, 0, platform="tpu")
+
+
+# Misuse is refused before any JAX or network work (these run with the tests' backend
+# already up: each check comes before initialize's "backend is running" one).
+@pytest.mark.parametrize(
+    "args,kwargs,match",
+    [
+        (("127.0.0.1:1", 2, 0), {"num_cpu_devices": 0}, "num_cpu_devices.*got 0"),
+        (("127.0.0.1:1", 2, 0), {"num_cpu_devices": -2}, "num_cpu_devices.*got -2"),
+        (("127.0.0.1:1", 2, -1), {}, r"process_id must be in \[0, 2\).*got -1"),
+        (("127.0.0.1:1", 1, 1), {}, r"process_id must be in \[0, 1\).*got 1;"),
+        (("127.0.0.1", 2, 0), {}, "'host:port'.*got '127.0.0.1'"),
+        (("127.0.0.1:http", 2, 1), {}, "'host:port'.*got '127.0.0.1:http'"),
+        (("127.0.0.1:70000", 2, 0), {}, "'host:port'.*got '127.0.0.1:70000'"),
+        (("127.0.0.1:1", 0, 0), {}, "num_processes.*got 0"),
+        (("127.0.0.1:1", 2, 0), {"initialization_timeout_s": 0}, "initialization_timeout_s"),
+        (("127.0.0.1:1", 2, 0), {"heartbeat_timeout_s": -3}, "heartbeat_timeout_s"),
+    ],
+)
+def test_initialize_refuses_bad_counts_ids_addresses_and_timeouts(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        lsgd_jax.elastic.initialize(*args, **kwargs)
+
+
+def _loss(params, batch):
+    return jnp.mean((batch["x"] @ params["w"]) ** 2)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        ({"stall_timeout_s": 0}, ValueError, "stall_timeout_s must be a positive number"),
+        ({"stall_timeout_s": -5.0}, ValueError, "stall_timeout_s.*got -5.0"),
+        ({"stall_timeout_s": float("nan")}, ValueError, "stall_timeout_s.*got nan"),
+        ({"stall_timeout_s": "60"}, TypeError, "stall_timeout_s.*got '60'"),
+        ({"max_failures": 0}, ValueError, "max_failures"),
+        ({"step_options": {"bogus": 1}}, ValueError, r"unknown.*\['bogus'\].*specialize"),
+        ({"step_options": {"specialize": "never"}}, ValueError, "specialize.*'never'"),
+        ({"step_options": {"max_in_flight": 0}}, ValueError, "max_in_flight"),
+    ],
+)
+def test_the_loop_refuses_bad_timeouts_and_step_options(kwargs, error, match):
+    # Refused in the constructor, before it needs jax.distributed (not initialized here).
+    tx = optax.sgd(0.1)
+    with pytest.raises(error, match=match):
+        ElasticLoop(_loss, tx, {"w": np.zeros((3, 1), np.float32)}, lambda s, lay: {}, **kwargs)
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1.0])
+def test_shutdown_refuses_a_timeout_that_is_not_positive(timeout_s):
+    with pytest.raises(ValueError, match=f"timeout_s must be a positive number.*got {timeout_s}"):
+        lsgd_jax.elastic.shutdown(None, timeout_s)
+
+
+def test_the_watchdog_does_not_count_compilation_but_does_count_a_stall():
+    fired = []
+
+    def slow_to_trace(x):
+        time.sleep(3.5)  # in the trace: compilation, for the watchdog (limit 1.5 s)
+        return x + 1
+
+    x = jnp.zeros(3)
+    dog = _attempts.Watchdog(1.5, on_stall=fired.append)
+    try:
+        dog.arm("compiling step")  # a first call: trace, lower, compile, run
+        jax.block_until_ready(jax.jit(slow_to_trace)(x))
+        dog.disarm()
+        assert fired == []
+        dog.arm("stalled step")
+        deadline = time.monotonic() + 60  # a stall in Python: the watchdog fires
+        while not fired and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert fired == ["stalled step"]
+    finally:
+        dog.disarm()
+        dog.close()
