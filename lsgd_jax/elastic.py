@@ -381,8 +381,8 @@ def _check_loop_args(
     if bad:
         raise ValueError(
             f"ElasticLoop: step_options {bad} cannot be set: a retried step needs its "
-            "inputs (no donation), and model state, aux and overlap are not supported "
-            "by the elastic loop yet; remove them."
+            "inputs (no donation), model state and aux are not supported by the elastic "
+            "loop yet, and overlap is deprecated (no effect); remove them."
         )
     known = [
         name
@@ -398,7 +398,7 @@ def _check_loop_args(
     stall = _positive_seconds(stall_timeout_s, "ElasticLoop: stall_timeout_s", none_ok=True)
     failures = _validate.positive_int(max_failures, "ElasticLoop: max_failures")
     one = Mesh(np.array(jax.local_devices()[:1]).reshape(1, 1), ("node", "local"))
-    data_parallel_step(loss_fn, tx, one, donate=False, overlap=False, **options)
+    data_parallel_step(loss_fn, tx, one, donate=False, **options)
     return stall, failures
 
 
@@ -482,7 +482,7 @@ class ElasticLoop:
         key = tuple(d.id for d in layout.mesh.devices.flat)
         if key not in self._steps:
             self._steps[key] = data_parallel_step(
-                self._loss_fn, self._tx, layout.mesh, donate=False, overlap=False, **self._options
+                self._loss_fn, self._tx, layout.mesh, donate=False, **self._options
             )
         return self._steps[key]
 
