@@ -49,28 +49,16 @@ def average_level(
     """One level's average of ``params`` (and ``extra``, in the same collective).
 
     ``branch`` is ``(group, fragment or None, is_global)``. A skipped average (the
-    strategy's ``skipped``) changes nothing but what the schedule records.
+    strategy's ``skipped``) changes nothing but what the schedule records (and, while
+    the replicas' anchors may still differ, makes the anchor common: see
+    :func:`_anchor_in`); the state's ``skipped`` records it.
     """
     group, fragment, is_global = branch
-    anchor = state.anchor
     cut = fragment.cut(params) if fragment is not None else _fragments.WHOLE
     p_in, e_in = cut.take(params), cut.take_aligned(extra, params)
-    a_in = cut.take(anchor) if anchor is not None else None
+    a_in = _anchor_in(averager, state, cut, branch, p_in)
     x = _outer.delta_of(p_in, a_in) if averager.delta else p_in
-    # A strategy's per-replica state (error feedback) is params-shaped: cut like them.
-    residual = state.comm_state
-    call_state = None
-    if residual is not None:
-        call_state = (cut.take(residual), jax.tree.map(jnp.zeros_like, e_in))
-    # Uncast means: a global mean is invariant, so it can become a replicated anchor.
-    (mean_x, mean_e), skipped, call_state = comm.apply(
-        averager.communicator, (x, e_in), group, call_state, cast=False, step=state.step
-    )
-    if residual is not None:
-        new_residual = _collectives.cast_like(cut.put(residual, call_state[0]), residual)
-        if skipped is not None:
-            new_residual = _outer.select(skipped, residual, new_residual)
-        state = state.replace(comm_state=new_residual)
+    (mean_x, mean_e), skipped, state = _mean(averager, (x, e_in), cut, group, state)
     new_p = _outer.undelta(a_in, mean_x, p_in) if averager.delta else mean_x
     if is_global and averager.outer_optimizer is not None:
         new_p, state = _outer.outer_step(
@@ -78,16 +66,74 @@ def average_level(
         )
     if skipped is not None:  # a skipped average changes nothing but the step
         new_p, mean_e = _outer.select(skipped, p_in, new_p), _outer.select(skipped, e_in, mean_e)
-    if is_global and anchor is not None:
-        new_anchor = _collectives.cast_like(cut.put(anchor, new_p), anchor)
-        if skipped is not None:
-            new_anchor = _outer.select(skipped, anchor, new_anchor)
-        state = state.replace(anchor=new_anchor)
+    if is_global and state.anchor is not None:
+        new_anchor = cut.put(state.anchor, new_p)
+        if skipped is not None:  # kept as it was, or made common (_anchor_in)
+            new_anchor = _outer.select(skipped, cut.put(state.anchor, a_in), new_anchor)
+        state = state.replace(anchor=_collectives.cast_like(new_anchor, state.anchor))
     new_p, mean_e = cut.put(params, new_p), cut.put_aligned(extra, params, mean_e)
     new_p, mean_e = _collectives.cast_like(new_p, params), _collectives.cast_like(mean_e, extra)
     if averager.sync_schedule.tracks_last_sync:  # the schedule's record: all agree
         state = state.replace(last_sync=state.step)
     return new_p, mean_e, state
+
+
+def _anchor_in(averager: Any, state: ModelAveragerState, cut: Any, branch: tuple, p_in: Any) -> Any:
+    """The anchor (cut like the params) this average works from: the state's, or, until
+    this fragment's first global average, the group's first replica's
+    (``_outer.common_anchor``): the replicas may have been given different params to
+    ``init``, and an average from anchors that differ would leave its members apart.
+
+    Needed with ``delta`` (every level) and as the origin of an outer optimizer's step
+    without ``outer_skip_first``; an outer optimizer's first global average is otherwise
+    a plain mean, which sets a common anchor by itself.
+    """
+    if state.anchor is None:
+        return None
+    group, fragment, is_global = branch
+    a_in = cut.take(state.anchor)
+    outer = averager.outer_optimizer is not None and not averager.outer_skip_first
+    if not (averager.delta or (is_global and outer)):
+        return a_in
+    first_step = averager._first_global_step(fragment.k if fragment is not None else 0)
+    first = state.step <= min(first_step, jnp.iinfo(jnp.int32).max)
+    return _outer.common_anchor(a_in, p_in, group, first)
+
+
+def _mean(
+    averager: Any, operand: Any, cut: Any, group: Any, state: ModelAveragerState
+) -> tuple[Any, jax.Array | None, ModelAveragerState]:
+    """The strategy's mean of ``operand = (x, extra)``: ``(mean, skipped, state)`` with
+    the strategy's state (cut like the params) and the ``skipped`` record advanced."""
+    # A strategy's per-replica state (error feedback) is params-shaped: cut like them.
+    residual = state.comm_state
+    call_state = None
+    if residual is not None:
+        call_state = (cut.take(residual), jax.tree.map(jnp.zeros_like, operand[1]))
+    # Uncast means: a global mean is invariant, so it can become a replicated anchor.
+    mean, skipped, call_state = comm.apply(
+        averager.communicator, operand, group, call_state, cast=False, step=state.step
+    )
+    if residual is not None:
+        new_residual = _collectives.cast_like(cut.put(residual, call_state[0]), residual)
+        if skipped is not None:
+            new_residual = _outer.select(skipped, residual, new_residual)
+        state = state.replace(comm_state=new_residual)
+    if state.skipped is not None:
+        state = state.replace(skipped=_record(skipped, state.skipped))
+    return mean, skipped, state
+
+
+def _record(skipped: jax.Array | None, like: jax.Array) -> jax.Array:
+    """``skipped`` typed like the state's record. A record shared by every replica (a
+    state passed unmapped) cannot hold one group's decision: it then says whether any
+    group skipped (a one-value all-reduce over the axes the decision varies over)."""
+    if skipped is None:
+        return jnp.zeros_like(like)
+    missing = tuple(a for a in _collectives.vma(skipped) if a not in _collectives.vma(like))
+    if missing:
+        skipped = lax.pmax(skipped.astype(jnp.int32), missing) > 0
+    return _collectives.cast_like(skipped, like)
 
 
 def run(
@@ -119,7 +165,7 @@ def run(
             if lands:  # the delayed average started `delay` calls ago lands now
                 params = _land(params, st)
             if spec is not None and averager.delay and spec[2]:  # a delayed global one
-                st2 = _start(averager, params, st, spec, level)
+                st2 = _start(averager, params, st, spec)
             elif spec is not None:
                 params, extra, st2 = average_level(averager, params, extra, st, spec)
             else:
@@ -133,31 +179,19 @@ def run(
 
 
 def _start(
-    averager: Any, params: Any, state: ModelAveragerState, spec: tuple, level: int
+    averager: Any, params: Any, state: ModelAveragerState, spec: tuple
 ) -> ModelAveragerState:
     """A delayed global average starts: the mean (or the outer optimizer's step) of
-    ``params`` is taken and kept, with ``params`` as they are now; they do not change.
-    A ``deferred`` state only records ``params`` and the level: another program takes
-    the mean (:func:`finish_deferred`)."""
-    state = state.replace(inflight_start=_collectives.cast_like(params, state.inflight_start))
-    if state.deferred:
-        return state.replace(inflight_level=jnp.full_like(state.inflight_level, level))
-    return finish_deferred(averager, state, level)
+    ``params`` is taken now and kept in the state (``inflight_mean``), with ``params`` as
+    they are now (``inflight_start``); the params do not change until it lands.
 
-
-def finish_deferred(averager: Any, state: ModelAveragerState, level: int) -> ModelAveragerState:
-    """The mean of a started delayed average (level ``level``) from the state alone:
-    ``inflight_mean`` (and the anchor, outer optimizer and communication states, as
-    that average leaves them), with ``inflight_level`` back to 0.
-
-    Inside ``shard_map`` over the averager's axes, on one replica's state.
+    The whole average is in the state the call returns (one truth for work in flight):
+    a checkpoint, or any other step path, continues it exactly.
     """
-    spec = averager._branch_groups()[level - 1]
-    start = state.inflight_start
-    mean, _, state = average_level(averager, start, None, state, spec)
+    mean, _, state = average_level(averager, params, None, state, spec)
     return state.replace(
+        inflight_start=_collectives.cast_like(params, state.inflight_start),
         inflight_mean=_collectives.cast_like(mean, state.inflight_mean),
-        inflight_level=jnp.zeros_like(state.inflight_level),
     )
 
 
@@ -172,12 +206,14 @@ def _land(params: Any, state: ModelAveragerState) -> Any:
     )
 
 
-def alongside(averager: Any, tree: Any, state: ModelAveragerState) -> Any:
+def alongside(averager: Any, tree: Any, state: ModelAveragerState, strategy: Any = None) -> Any:
     """The plain group mean of ``tree`` on the branch ``state`` takes (no anchor, outer
-    optimizer or fragments; the strategy's state is not advanced)."""
+    optimizer or fragments; the strategy's state is not advanced), sent with
+    ``strategy`` (default: the averager's)."""
+    strategy = averager.communicator if strategy is None else strategy
 
     def mean(t, group):
-        return comm.apply(averager.communicator, t, group, None, step=state.step).value
+        return comm.apply(strategy, t, group, None, step=state.step).value
 
     per_level = [lambda t: t] + [
         functools.partial(mean, group=group) for group, _, _ in averager._branch_groups()
@@ -185,3 +221,24 @@ def alongside(averager: Any, tree: Any, state: ModelAveragerState) -> Any:
     levels = len(per_level)  # with a delay, phase k is level k % levels (landing or not)
     branches = [per_level[k % levels] for k in range(averager.sync_schedule.num_phases)]
     return dispatch("model_state_averaging", state, branches, tree)
+
+
+def like_params(
+    averager: Any, tree: Any, before: ModelAveragerState, after: ModelAveragerState
+) -> Any:
+    """``tree`` (values that follow the params, such as ``data_parallel_step``'s model
+    state) averaged as the params were on the call from ``before`` to ``after``.
+
+    Over the group of the level ``before`` takes; kept where the params' average was
+    skipped (``after.skipped``, per group). With a non-finite policy, a replica whose own
+    values in ``tree`` are non-finite is left out of their mean and receives it (never a
+    skip of their own: they are averaged exactly where the params were); a replica whose
+    params were left out (``"exclude"``) still contributes finite values.
+    """
+    strategy = averager.communicator
+    if isinstance(strategy, comm.FiniteOnly):
+        strategy = comm.finite_only("exclude")
+    mean = alongside(averager, tree, before, strategy)
+    if after.skipped is None:
+        return mean
+    return _collectives.cast_like(_outer.select(after.skipped, tree, mean), tree)

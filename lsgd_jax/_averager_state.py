@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from lsgd_jax import comm
 from lsgd_jax._struct import Struct, pytree_dataclass, static_field
 
 
@@ -38,12 +39,11 @@ class ModelAveragerState(Struct):
         flight started (``s``).
       inflight_mean: with ``delay``: that average (or the outer optimizer's new global
         params), which lands ``delay`` calls after it started as ``params + (mean - s)``.
-      inflight_level: with ``delay``: int32 scalar, the level of an average that started
-        but whose mean is still being taken elsewhere (``deferred``); 0 otherwise.
-      deferred: (static) set by ``data_parallel_step`` while it takes delayed means in a
-        program of their own, on another thread: a starting average then only records
-        ``s`` and its level (and the anchor, outer state and communication state as they
-        were), and ``_average_call.finish_deferred`` takes the mean.
+      skipped: with a non-finite policy (a ``comm.finite_only`` strategy): bool scalar,
+        whether this replica's group skipped the last average (``"skip"`` with a
+        non-finite replica, ``"exclude"`` with no finite one); ``data_parallel_step``'s
+        model state follows it. A state shared by every replica (passed unmapped) holds
+        whether any group skipped.
       pinned_phase: None, or (static) the level this call takes whatever the counters
         say: set by whoever specializes a step per phase (see :func:`phase_index`), in
         the static metadata so that every trace cache keys on it.
@@ -64,9 +64,8 @@ class ModelAveragerState(Struct):
     comm_state: Any = None
     inflight_start: Any = None
     inflight_mean: Any = None
-    inflight_level: Any = None
+    skipped: Any = None
     pinned_phase: int | None = static_field(default=None)
-    deferred: bool = static_field(default=False)
 
     @property
     def num_phases(self) -> int:
@@ -135,7 +134,7 @@ def initial_state(averager: Any, params: Any = None) -> ModelAveragerState:
         state = state.replace(last_sync=jnp.zeros([], jnp.int32))
     if averager.delay:
         start = jax.tree.map(jnp.asarray, params)
-        state = state.replace(
-            inflight_start=start, inflight_mean=start, inflight_level=jnp.zeros([], jnp.int32)
-        )
+        state = state.replace(inflight_start=start, inflight_mean=start)
+    if isinstance(averager.communicator, comm.FiniteOnly):
+        state = state.replace(skipped=jnp.zeros([], bool))
     return state.replace(comm_state=averager.communicator.init(params))

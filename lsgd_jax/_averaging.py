@@ -46,9 +46,15 @@ _OPTIONS_DOC = """
         time). A skipped average (``"skip"`` with a non-finite replica, ``"exclude"``
         with no finite one) changes nothing but the step: the params keep their local
         values, and the anchor, the outer optimizer's state and its count stay as they
-        were. Both log a warning naming the replica and step through the
-        ``"lsgd_jax"`` logger (a host callback, compiled in while that logger is enabled
-        for WARNING at trace time); still one collective per average.
+        were (except that an average working from the group's common anchor, see
+        ``delta``, leaves that anchor). Both log a warning naming the replica and step
+        through the ``"lsgd_jax"`` logger (a host callback, compiled in while that logger
+        is enabled for WARNING at trace time); still one collective per average.
+        ``data_parallel_step``'s model state follows the params: a group that skipped
+        keeps its model state; where the params averaged, a replica whose own model
+        state is non-finite is left out of its mean and receives it (with either
+        policy), and one whose params were left out (``"exclude"``) still contributes a
+        finite model state (it came from a forward pass of finite numbers).
       outer_optimizer: an optax transformation applied, at each global average, to the
         pseudo-gradient ``anchor - mean(params)``, where ``anchor`` is the params at the
         previous global average; the new params are ``anchor + updates`` (SlowMo, Wang
@@ -62,7 +68,8 @@ _OPTIONS_DOC = """
         switch, takes the whole synchronous warm-up as one pseudo-gradient: with
         Nesterov momentum that overshoots it (measured on digits: accuracy dips to 93%
         after the switch; see benchmarks/RESULTS.md). False matches DiLoCo without a
-        warm-up phase.
+        warm-up phase; if the replicas were given different params to ``init``, the
+        first outer step starts from the group's first replica's.
       communication_dtype: e.g. ``jnp.bfloat16``: send the average in this dtype (an
         all-to-all and an all-gather, about half the bytes of a float32 all-reduce) and
         sum it in float32 (``communication=lsgd_jax.comm.compressed(dtype)``). The
@@ -70,7 +77,13 @@ _OPTIONS_DOC = """
       delta: average ``params - anchor`` (the change since the last global average)
         instead of the params, and add it back to the anchor: with
         ``communication_dtype`` the rounding then falls on the small change only.
-        Needs ``init(params)``.
+        Needs ``init(params)``. Until a fragment's first global average the anchor is
+        the params each replica was given to ``init``, which may differ; averages up to
+        and including that one (at every level of a hierarchy) work from the group's
+        first replica's anchor ``a``, ``a + mean(params - a)``, so the replicas come
+        together as without delta (``a`` is copied by one exact all-reduce of the
+        anchor, once per fragment, or none when the state is shared by every replica,
+        passed unmapped). From then on the anchor is common and only the change travels.
       delay: ``tau`` (0: PyTorch's rule). A global average (every average of a
         periodic averager, the last level of a hierarchical one) then lands ``tau``
         calls after it starts: at a call t that averages, each replica keeps its params
@@ -178,6 +191,11 @@ class _Averager(abc.ABC):
     @abc.abstractmethod
     def _branch_groups(self) -> list[tuple[Group, Any, bool]]:
         """One ``(resolved group, fragment or None, is_global)`` per level, where it runs."""
+
+    @abc.abstractmethod
+    def _first_global_step(self, fragment: int) -> int:
+        """The step of the first global average of fragment ``fragment`` (0-based; 0
+        without fragments): until then the replicas' anchors may differ."""
 
     @property
     def communicator(self) -> comm.Communication:
@@ -316,6 +334,8 @@ class _Averager(abc.ABC):
         ``extra`` (e.g. momentum buffers, batch-norm statistics) is averaged on the same
         steps, over the same group, with the same all-reduce as the params, but takes no
         part in the options that concern the model (anchor, outer optimizer, delta).
+        Not with a quantized communication (``comm.quantized``: ValueError), which would
+        round ``extra`` in blocks with no error feedback of its own.
 
         Args:
           params: this replica's parameters.
@@ -338,6 +358,15 @@ class _Averager(abc.ABC):
           Array([15., 15., 15., 15.], dtype=float32)
         """
         check_state(state, "average_parameters", self)
+        if isinstance(self.communicator, comm.Quantized) and extra is not None:
+            raise ValueError(
+                f"average_tree: extra values cannot travel with a quantized communication "
+                f"({self.communicator!r}): they would be rounded in blocks scaled by each "
+                "block's largest value, with no error feedback of their own, so small "
+                "entries (Adam's second moments, running variances) round to 0. Average "
+                "them with an exact or bfloat16 strategy (lsgd_jax.comm.apply(lsgd_jax."
+                "comm.flat(), extra, group)), or use communication=lsgd_jax.comm.flat()."
+            )
         if self.delay and extra is not None:
             raise ValueError(
                 f"average_tree: extra values are not averaged by a delayed average (delay="
@@ -478,6 +507,12 @@ class PeriodicModelAverager(_Averager):
           [1, 0, 2, 0, 1, 0]
         """
         return self.sync_schedule.level(step)
+
+    def _first_global_step(self, fragment: int) -> int:
+        """The step of the first average of fragment ``fragment`` (0-based)."""
+        if callable(self.period):
+            return self.warmup_steps
+        return self.warmup_steps + fragment * (self.period // self.fragments)
 
     def _branch_groups(self) -> list[tuple[Group, Any, bool]]:
         what = "PeriodicModelAverager"
@@ -632,6 +667,13 @@ class HierarchicalModelAverager(_Averager):
           [2, 1, 1, 2]
         """
         return self.sync_schedule.level(step)
+
+    def _first_global_step(self, fragment: int) -> int:
+        """The step of the first global average (the first multiple of the last period
+        from the warm-up on); ``fragment`` is 0."""
+        del fragment
+        period = self.periods[-1]
+        return -(-self.warmup_steps // period) * period
 
     def _branch_groups(self) -> list[tuple[Group, Any, bool]]:
         what = "HierarchicalModelAverager"

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lsgd_jax import _average_call, _collectives
+from lsgd_jax import _average_call, _collectives, comm
 from lsgd_jax._averager_state import ModelAveragerState, check_state
 from lsgd_jax._averaging import Averager, check_averager
 from lsgd_jax._struct import Struct, pytree_dataclass
@@ -126,6 +126,24 @@ class PostLocalSGDOptimizerState(Struct):
     averager_state: ModelAveragerState
 
 
+def _check_opt_state_communication(averager: Averager, average_opt_state: Any) -> None:
+    """Refuses ``average_opt_state`` with a quantized communication: its leaves would be
+    quantized in blocks, with no error feedback of their own."""
+    strategy = averager.communicator
+    if average_opt_state is None or not isinstance(strategy, comm.Quantized):
+        return
+    raise ValueError(
+        f"post_local_sgd_optimizer: average_opt_state cannot travel with a quantized "
+        f"communication ({strategy!r}): the chosen optimizer-state leaves would be rounded "
+        f"to {strategy.bits}-bit integers in blocks scaled by each block's largest value, "
+        "with no error feedback of their own, so small entries round to 0 (Adam's second "
+        "moments: a zeroed entry turns the next update of that parameter into lr * m / "
+        "eps). Average them with an exact or bfloat16 communication (communication="
+        "lsgd_jax.comm.flat(), lsgd_jax.comm.finite_only(...) or lsgd_jax.comm.compressed("
+        "jnp.bfloat16)), or keep them local (average_opt_state=None)."
+    )
+
+
 def post_local_sgd_optimizer(
     optim: optax.GradientTransformation,
     averager: Averager,
@@ -153,7 +171,9 @@ def post_local_sgd_optimizer(
         ``lambda s: jax.tree.map(lambda x: jnp.ndim(x) > 0, s)`` (every array but the
         scalar counters). With ``fragments``, chosen parts shaped like the params
         (momentum, Adam's moments) are averaged element by element with their params;
-        other chosen leaves are averaged whole at every fragment's average.
+        other chosen leaves are averaged whole at every fragment's average. Not with a
+        quantized communication (``comm.quantized``: ValueError at construction): its
+        blocks would round small entries, such as Adam's second moments, to 0.
 
     Returns:
       An optax.GradientTransformationExtraArgs with a PostLocalSGDOptimizerState.
@@ -174,6 +194,7 @@ def post_local_sgd_optimizer(
             f"average (delay={averager.delay}): the optimizer state would land on other "
             "steps than the params. Use delay=0 or average_opt_state=None."
         )
+    _check_opt_state_communication(averager, average_opt_state)
     inner = optax.with_extra_args_support(optim)
 
     def mask_of(inner_state):

@@ -72,8 +72,12 @@ def _average_like_params(model_state: Any, opt_state: Any, new_opt_state: Any) -
 
     Only where the averager really ran: a wrapper such as ``optax.MultiSteps`` or
     ``optax.apply_if_finite`` can keep the inner state (and so the averager's step) as it
-    was, and then the params did not average either.
+    was, and then the params did not average either. A group whose params' average was
+    skipped (a non-finite policy) keeps its model state too; see
+    ``_average_call.like_params``.
     """
+    from lsgd_jax import _average_call  # noqa: PLC0415  (this function's own helper)
+
     states = averager_states(opt_state)
     if not states:
         return model_state
@@ -86,7 +90,7 @@ def _average_like_params(model_state: Any, opt_state: Any, new_opt_state: Any) -
     (after,) = averager_states(new_opt_state)
     return lax.cond(
         after.step != state.step,
-        lambda tree: state.averager.average_alongside(tree, state),
+        lambda tree: _average_call.like_params(state.averager, tree, state, after),
         lambda tree: tree,
         model_state,
     )
@@ -113,7 +117,6 @@ class StepSpec:
     with_model_state: bool
     donate: bool
     lowering: str = "shard_map"
-    defer: bool = False  # delayed means taken by another program (see DataParallelStep)
 
     def gradients(self, params: Any, model_state: Any, batch: Any) -> tuple:
         """``(loss, aux, grads, new model state)`` of this replica's loss."""
@@ -138,7 +141,7 @@ class StepSpec:
             with jax.named_scope("ddp"):
                 grads = _collectives.mean(grads, self.axes)
         if phase is not None:
-            opt_state = _phase.pin(opt_state, phase, defer=self.defer)
+            opt_state = _phase.pin(opt_state, phase)
         updates, new_opt_state = self.tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         if self.with_model_state:
@@ -186,12 +189,10 @@ def _replica_body(spec: StepSpec, mode: int | str, work: Callable[..., tuple]) -
         operands = (params, model_state, opt_state, *rest)
         n = _phase.num_phases(opt_state)
         ok = jnp.ones([], bool)
-        deferred = None
         if isinstance(mode, int):
             *new, loss, aux = work(operands, mode)
             ok = _phase.phase_index(opt_state) == mode
             out = _outer.select(ok, tuple(new), (params, model_state, opt_state))
-            deferred = _deferred_start(spec, opt_state, out[2], mode)
         elif mode == "switch" and 1 < n <= MAX_PHASES:
             *out, loss, aux = _switch_over_phases(work, operands, axes)
         else:
@@ -199,25 +200,9 @@ def _replica_body(spec: StepSpec, mode: int | str, work: Callable[..., tuple]) -
         out = jax.tree.map(lambda x: x[None], tuple(out))
         with jax.named_scope("metrics"):
             loss, aux = lax.pmean(loss, spec.axes), _metrics_mean(aux, spec.axes)
-        deferred = jax.tree.map(lambda x: x[None], deferred)
-        return (*out, loss, aux, _collectives.cast_varying(ok, axes)[None], deferred)
+        return (*out, loss, aux, _collectives.cast_varying(ok, axes)[None])
 
     return body
-
-
-def _deferred_start(spec: StepSpec, opt_state: Any, new_opt_state: Any, mode: int) -> Any:
-    """With ``spec.defer``, on a phase where the delayed averager starts an average: its
-    new state (what the other program takes the mean from), as an output of its own;
-    else None."""
-    if not spec.defer:
-        return None
-    states = _phase.branching_states(opt_state)
-    for state, digit, new in zip(
-        states, _phase.digits(opt_state, mode), _phase.branching_states(new_opt_state)
-    ):
-        if isinstance(state, ModelAveragerState) and _phase.delayed_start(state, digit):
-            return new
-    return None
 
 
 def program(spec: StepSpec, mode: int | str) -> Any:
@@ -240,7 +225,7 @@ def program(spec: StepSpec, mode: int | str) -> Any:
             _replica_body(spec, mode, spec.whole_step),
             mesh=spec.mesh,
             in_specs=(rep, rep, rep, rep),
-            out_specs=(rep, rep, rep, P(), P(), rep, rep),
+            out_specs=(rep, rep, rep, P(), P(), rep),
             **kwargs,
         )
         return jax.jit(mapped, donate_argnums=donate)
@@ -255,7 +240,7 @@ def program(spec: StepSpec, mode: int | str) -> Any:
         _replica_body(spec, mode, update),
         mesh=spec.mesh,
         in_specs=(rep,) * 6,
-        out_specs=(rep, rep, rep, P(), P(), rep, rep),
+        out_specs=(rep, rep, rep, P(), P(), rep),
         **kwargs,
     )
 

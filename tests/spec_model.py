@@ -473,8 +473,98 @@ class Averaged:
     groups: list[tuple[list[int], Tree]]
 
 
+def first_global_step(cfg: AveragerConfig, level: int) -> int:
+    """The step of the first global average of ``level``'s fragment: Periodic "s = w +
+    (k - 1) * period / K" (a callable period: w); Hierarchical "the first multiple of the
+    last period from w on" (every level alike)."""
+    if cfg.kind == "hierarchical":
+        last = cfg.levels[-1][0]
+        return -(-cfg.warmup // last) * last
+    if isinstance(cfg.period, str):
+        return cfg.warmup
+    return cfg.warmup + (level - 1) * (cfg.period // cfg.fragments)
+
+
+def working_anchor(
+    cfg: AveragerConfig, state: AveragerState, level: int, masks: Tree, topo: Topology
+) -> Tree | None:
+    """The anchor an average works from, per replica.
+
+    Rule: "until its fragment's first global average (step <= that average's step), an
+    average with delta (any level), or the outer optimizer's step without
+    outer_skip_first, works from the group's first member's anchor at the fragment's
+    positions: the replicas may have been given different params to init"; the state's
+    anchor otherwise.
+    """
+    if not cfg.keeps_anchor:
+        return None
+    outer_origin = cfg.is_global(level) and cfg.outer is not None and not cfg.outer_skip_first
+    if not (cfg.delta or outer_origin) or state.step > first_global_step(cfg, level):
+        return state.anchor
+    anchor = {k: v.copy() for k, v in state.anchor.items()}
+    for members in topo.groups(cfg.group(level)):
+        for k, v in anchor.items():
+            if is_floating(v):
+                v[members] = np.where(masks[k], v[members[0]], v[members])
+    return anchor
+
+
+def _set_anchor(state: AveragerState, values: Tree, members: list[int], masks: Tree) -> None:
+    """The members' anchor at the fragment's positions <- ``values`` (floating leaves)."""
+    for k, v in values.items():
+        if is_floating(v):
+            for r in members:
+                state.anchor[k][r][masks[k]] = v[r][masks[k]]
+
+
 def _contribution(values: Tree, masks: Tree, r: int) -> list[np.ndarray]:
     return [values[k][r][masks[k]] for k in sorted(values) if masks[k].any()]
+
+
+def _finite(x: Tree, extra: dict[str, Any], masks: Tree, r: int) -> bool:
+    """Whether every value member r contributes to this average (its params part, and the
+    opt-state leaves averaged with it) is finite."""
+    parts = _contribution(x, masks, r)
+    for c in extra.values():
+        if isinstance(c, dict):
+            parts += _contribution(c, masks, r)
+        elif is_floating(c):
+            parts.append(np.ravel(c[r]))
+    return all(np.isfinite(p).all() for p in parts)
+
+
+def _outer_steps(
+    cfg: OuterConfig, skip_first: bool, states: tuple, anchor: Tree, out: Tree, members: list[int]
+) -> None:
+    """The outer optimizer's step of each member from ``anchor`` to ``out`` (in place)."""
+    state, new_state = states
+    for r in members:
+        first = skip_first and state.outer_count[r] == 0
+        for k, v in out.items():
+            if first or not is_floating(v):
+                continue
+            trace = None if state.outer_trace is None else state.outer_trace[k][r]
+            new, trace = outer_step(cfg, anchor[k][r], v[r], trace)
+            out[k][r] = new
+            if trace is not None:
+                new_state.outer_trace[k][r] = trace
+        new_state.outer_count[r] = state.outer_count[r] + 1
+
+
+def _average_extra(
+    extra: dict[str, Any], new_extra: dict[str, Any], masks: Tree, who: tuple, mean_fn: Callable
+) -> None:
+    """The chosen opt-state components' means over ``src``, given to ``members``."""
+    members, src = who
+    for name, c in extra.items():
+        if isinstance(c, dict):
+            for k, v in c.items():
+                if masks[k].any():
+                    m = mean_fn(v[src][:, masks[k]])
+                    for r in members:
+                        new_extra[name][k][r][masks[k]] = m
+        elif is_floating(c):
+            new_extra[name][members] = mean_fn(c[src])
 
 
 def average_call(
@@ -487,11 +577,13 @@ def average_call(
     """One averager call on the params after the inner update (and chosen opt-state).
 
     Rules: "+1 on every call"; at a level with group G (per group of that level):
-      * "delta=True: x_r <- x_r - anchor, and the result is anchor + mean."
+      * "delta=True: x_r <- x_r - anchor, and the result is anchor + mean", the anchor
+        being common until the fragment's first global average (``working_anchor``).
       * the non-finite policy, "a member is non-finite if any value it contributes to
         THIS average (its params part, plus the opt-state leaves averaged with it) is
         NaN/Inf" (see ``used_members``).
-      * "A skipped average ... changes NOTHING but the step counter".
+      * "A skipped average ... changes NOTHING but the step counter" (and, at a global
+        level, the anchor becomes the common one ``working_anchor`` worked from).
       * outer optimizer at the global level: "If outer_skip_first (default True) and
         outer_count == 0: new = m, outer state unchanged. Else ..." (``outer_step``);
         "outer_count += 1 on every non-skipped global average. Only floating leaves:
@@ -524,75 +616,55 @@ def average_call(
     masks = fragment_masks(template, cfg.fragments, level)
     is_global = cfg.is_global(level)
     mean_fn = bf16_mean if cfg.bf16 else exact_mean
+    anchor = working_anchor(cfg, state, level, masks, topo)
     with np.errstate(invalid="ignore", over="ignore"):
         x = params
         if cfg.delta:
-            x = {k: v - state.anchor[k] if is_floating(v) else v for k, v in params.items()}
+            x = {k: v - anchor[k] if is_floating(v) else v for k, v in params.items()}
         for members in topo.groups(cfg.group(level)):
-            finite = []
-            for r in members:
-                parts = _contribution(x, masks, r)
-                for c in extra.values():
-                    if isinstance(c, dict):
-                        parts += _contribution(c, masks, r)
-                    elif is_floating(c):
-                        parts.append(np.ravel(c[r]))
-                finite.append(all(np.isfinite(p).all() for p in parts))
+            finite = [_finite(x, extra, masks, r) for r in members]
             used = used_members(finite, cfg.nonfinite)
-            if used is None:
-                continue  # skipped: nothing changes for this group
+            if used is None:  # skipped: nothing changes for this group but the anchor
+                if is_global and cfg.keeps_anchor:
+                    _set_anchor(new_state, anchor, members, masks)
+                continue
             src = [members[i] for i in used]
             for k, v in x.items():
                 if not masks[k].any():
                     continue
                 m = mean_fn(v[src][:, masks[k]])
                 for r in members:
-                    value = state.anchor[k][r][masks[k]] + m if cfg.delta else m
+                    value = anchor[k][r][masks[k]] + m if cfg.delta else m
                     out[k][r][masks[k]] = value
                     assigned[k][r][masks[k]] = True
             if is_global and cfg.outer is not None:
-                for r in members:
-                    first = cfg.outer_skip_first and state.outer_count[r] == 0
-                    for k, v in out.items():
-                        if first or not is_floating(v):
-                            continue
-                        trace = None if state.outer_trace is None else state.outer_trace[k][r]
-                        new, trace = outer_step(cfg.outer, state.anchor[k][r], v[r], trace)
-                        out[k][r] = new
-                        if trace is not None:
-                            new_state.outer_trace[k][r] = trace
-                    new_state.outer_count[r] = state.outer_count[r] + 1
+                _outer_steps(
+                    cfg.outer, cfg.outer_skip_first, (state, new_state), anchor, out, members
+                )
             if is_global and cfg.keeps_anchor:
-                for k, v in out.items():
-                    if is_floating(v):
-                        for r in members:
-                            new_state.anchor[k][r][masks[k]] = v[r][masks[k]]
-            for name, c in extra.items():
-                if isinstance(c, dict):
-                    for k, v in c.items():
-                        if masks[k].any():
-                            m = mean_fn(v[src][:, masks[k]])
-                            for r in members:
-                                new_extra[name][k][r][masks[k]] = m
-                elif is_floating(c):
-                    new_extra[name][members] = mean_fn(c[src])
+                _set_anchor(new_state, out, members, masks)
+            _average_extra(extra, new_extra, masks, (members, src), mean_fn)
             done.append((members, masks))
     return Averaged(out, assigned, new_extra, level, done), new_state
 
 
-def average_model_state(cfg: AveragerConfig, level: int, model_state: Tree, topo: Topology) -> Tree:
+def average_model_state(cfg: AveragerConfig, averaged: Averaged | None, model_state: Tree) -> Tree:
     """Rule: model state is "per replica, averaged (plain group mean, with the averager's
-    nonfinite policy and communication_dtype; no delta/anchor/outer) on exactly the steps
-    where the averager really ran and averaged, over that level's group; with fragments,
-    whole at every fragment average". Its finiteness is its own (integer leaves stay)."""
-    if level == 0:
+    communication_dtype; no delta/anchor/outer) on exactly the calls, and over exactly
+    the groups, where the params were averaged: a group whose params' average was
+    skipped keeps its model state; with fragments, whole at every fragment average. With
+    a non-finite policy, a member whose own model state is non-finite is left out of the
+    mean and receives it (never a skip of its own); a member whose params were left out
+    ("exclude") still contributes a finite model state". Integer leaves stay."""
+    if averaged is None or averaged.level == 0:
         return model_state
     out = {k: v.copy() for k, v in model_state.items()}
     mean_fn = bf16_mean if cfg.bf16 else exact_mean
     floating = [k for k in sorted(model_state) if is_floating(model_state[k])]
-    for members in topo.groups(cfg.group(level)):
+    policy = "exclude" if cfg.nonfinite != "propagate" else "propagate"
+    for members, _ in averaged.groups:
         finite = [all(np.isfinite(model_state[k][r]).all() for k in floating) for r in members]
-        used = used_members(finite, cfg.nonfinite)
+        used = used_members(finite, policy)
         if used is None:
             continue
         src = [members[i] for i in used]
@@ -838,7 +910,6 @@ def _data_parallel_step(cfg: RunConfig, rp: Replay, grads: Tree, batch: Batch):
     if cfg.hook is None:
         grads = ddp_mean(grads, cfg.topo)
     new_ms = model_state_step(rp.model_state, batch)
-    level = averager_level(cfg.averager, rp.averager) if rp.averager is not None else 0
     avg = None
     if cfg.multi_steps > 1:
         emit = rp.mini_step == cfg.multi_steps - 1
@@ -850,13 +921,12 @@ def _data_parallel_step(cfg: RunConfig, rp: Replay, grads: Tree, batch: Batch):
             rp.acc = {k: np.zeros_like(v) for k, v in acc.items()}
             rp.gradient_step += 1
         else:
-            rp.acc = acc
-            level = 0  # nothing took effect on this mini-step
+            rp.acc = acc  # nothing took effect on this mini-step: avg stays None
         rp.mini_step = (rp.mini_step + 1) % cfg.multi_steps
     else:
         params, rp, avg = _chain_step(cfg, rp, grads)
         rp.params = params
     if cfg.averager is not None:
-        new_ms = average_model_state(cfg.averager, level, new_ms, cfg.topo)
+        new_ms = average_model_state(cfg.averager, avg, new_ms)
     rp.model_state = new_ms
     return rp, avg
