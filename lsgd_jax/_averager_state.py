@@ -43,7 +43,8 @@ class ModelAveragerState(Struct):
         whether this replica's group skipped the last average (``"skip"`` with a
         non-finite replica, ``"exclude"`` with no finite one); ``data_parallel_step``'s
         model state follows it. A state shared by every replica (passed unmapped) holds
-        whether any group skipped.
+        whether any group skipped (one more one-value all-reduce at a level narrower
+        than the state).
       pinned_phase: None, or (static) the level this call takes whatever the counters
         say: set by whoever specializes a step per phase (see :func:`phase_index`), in
         the static metadata so that every trace cache keys on it.

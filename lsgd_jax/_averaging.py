@@ -82,8 +82,9 @@ _OPTIONS_DOC = """
         and including that one (at every level of a hierarchy) work from the group's
         first replica's anchor ``a``, ``a + mean(params - a)``, so the replicas come
         together as without delta (``a`` is copied by one exact all-reduce of the
-        anchor, once per fragment, or none when the state is shared by every replica,
-        passed unmapped). From then on the anchor is common and only the change travels.
+        anchor in each of those averages, in a ``lax.cond`` on the step, or none when the
+        state is shared by every replica, passed unmapped). From then on the anchor is
+        common and only the change travels.
       delay: ``tau`` (0: PyTorch's rule). A global average (every average of a
         periodic averager, the last level of a hierarchical one) then lands ``tau``
         calls after it starts: at a call t that averages, each replica keeps its params
@@ -547,7 +548,8 @@ class HierarchicalModelAverager(_Averager):
         None: checked where it runs, against every bound mapped axis.
       nonfinite, outer_optimizer, communication_dtype, delta, communication, delay: as
         for PeriodicModelAverager; the outer optimizer and the delay act at the global
-        (last) level, and the anchor is the params at the last global average.
+        (last) level, and the anchor is the params at the last global average (``delta``
+        averages the change since it at every level).
 
     Example:
       >>> import lsgd_jax
