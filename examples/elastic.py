@@ -18,9 +18,17 @@ stops P with SIGSTOP instead (alive but stuck); the launcher SIGKILLs it at the 
 ``--json FILE`` gets one JSON line per completed step and process
 (``{"process", "step", "live_processes", "loss", "recovery_s"}``) and one final line
 per process (``{"process", "final": true, "consensus_sha256", "test_accuracy"}``).
-The launcher exits 0 when the survivors (and any restarted process) finish all steps.
-A process that aborts (SIGABRT) while process 0 lives counts as dead, not as a failed
-survivor: gloo may abort a process whose collective a dying peer left half done.
+The launcher exits 0 when every surviving process (and any restarted one) finished all
+steps, 1 otherwise. A process that aborts (SIGABRT) counts as dead, not as a failed
+survivor (gloo may abort a process whose collective a dying peer left half done),
+unless process 0 hosts the coordination service and is gone.
+
+By default the launcher first starts JAX's coordination service in a process of its
+own (``python -m lsgd_jax.elastic_coordinator``) and stops it after the trainers, so
+any trainer, process 0 included, may die and come back (``--kill 0@20 --restart
+0@30``); ``--no-coordinator-process`` lets process 0 host it (then its death ends the
+run). ``--late P`` starts process P again once the run is over: it prints one line
+saying so and exits 0.
 """
 
 from __future__ import annotations
@@ -63,6 +71,22 @@ def parse(argv=None):
         action="store_true",
         help="train with data_parallel_step alone, without the elastic loop (no failures "
         "survived): to measure what the loop costs a step",
+    )
+    ap.add_argument(
+        "--late",
+        action="append",
+        default=[],
+        type=int,
+        metavar="P",
+        help="start process P again after the run is over: it must exit 0 with one line saying so",
+    )
+    ap.add_argument(
+        "--coordinator-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run JAX's coordination service in a process of its own (python -m "
+        "lsgd_jax.elastic_coordinator), so that process 0 too may die and come back; "
+        "--no-coordinator-process: process 0 hosts it (its death ends the run)",
     )
     ap.add_argument("--json", default=None, metavar="FILE")
     ap.add_argument("--start", type=int, default=10, help="start_localSGD_iter")
@@ -217,6 +241,7 @@ def worker(args) -> None:
         ],
         heartbeat_timeout_s=args.heartbeat,
         collective_timeout_s=args.collective_timeout,
+        external_coordinator=args.coordinator_process,
     )
     import jax
     import numpy as np
@@ -302,16 +327,40 @@ class _Launcher:
         self.stopped: set[int] = set()
         self._read = 0
         self.started = -1  # the highest step a live process reported starting
+        self.coordinator: subprocess.Popen | None = None
 
-    def start(self, i: int) -> None:
-        cmd = [sys.executable, os.path.abspath(__file__), *self.argv]
-        cmd += ["--port", str(self.port), "--process-id", str(i), "--events", str(self.events)]
+    def _env(self) -> dict[str, str]:
         env = dict(
             os.environ,
             PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
         )
         env.pop("XLA_FLAGS", None)
         env.pop("JAX_NUM_CPU_DEVICES", None)
+        return env
+
+    def start_coordinator(self) -> None:
+        """The coordination service in a process of its own (before the trainers)."""
+        cmd = [sys.executable, "-m", "lsgd_jax.elastic_coordinator", "--port", str(self.port)]
+        cmd += ["--processes", str(self.args.processes), "--host", "127.0.0.1"]
+        cmd += ["--heartbeat-timeout", str(self.args.heartbeat)]
+        self.coordinator = subprocess.Popen(cmd, env=self._env())
+
+    def stop_coordinator(self) -> None:
+        """Stops the coordinator (after every trainer has exited) and reaps it."""
+        c = self.coordinator
+        if c is not None and c.poll() is None:
+            c.terminate()
+            try:
+                c.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                c.kill()
+        if c is not None:
+            c.wait()
+
+    def start(self, i: int) -> None:
+        cmd = [sys.executable, os.path.abspath(__file__), *self.argv]
+        cmd += ["--port", str(self.port), "--process-id", str(i), "--events", str(self.events)]
+        env = self._env()
         if i in self.procs:
             env["LSGD_ELASTIC_RESTARTED"] = "1"  # a --die applies to the first start only
         self.procs[i] = subprocess.Popen(cmd, env=env)
@@ -335,7 +384,7 @@ class _Launcher:
                 self.gone.add(p)
                 why = "(--die)" if code == 3 else "(its watchdog: stall_timeout_s)"
                 print(f"elastic.py: process {p} exited by itself {why}", flush=True)
-            elif code == -signal.SIGABRT and p not in self.gone and 0 not in self.gone:
+            elif code == -signal.SIGABRT and p not in self.gone and self._0_is_not_special():
                 # gloo can abort a process whose collective meets a peer that died in
                 # the middle of it: one more dead process, which the others survive.
                 self.gone.add(p)
@@ -359,8 +408,13 @@ class _Launcher:
                 restarts.remove((p, k))
                 print(f"elastic.py: restarted process {p} at step {self.started}", flush=True)
 
+    def _0_is_not_special(self) -> bool:
+        """Whether the others survive process 0's death (the service runs elsewhere)."""
+        return self.coordinator is not None or 0 not in self.gone
+
     def finished(self) -> int | None:
-        """0 or 1 once every process that should finish has ended, else None."""
+        """0 once every surviving process finished (exit status 0), 1 if one did not (or
+        none survived); None while some still run."""
         live = [i for i in self.procs if i not in self.gone]
         codes = {i: self.procs[i].poll() for i in live}
         if any(c is None for c in codes.values()):
@@ -368,7 +422,23 @@ class _Launcher:
         bad = {i: c for i, c in codes.items() if c != 0}
         if bad:
             print(f"elastic.py: processes ended with {bad}", file=sys.stderr, flush=True)
-        return 1 if bad or 0 in self.gone else 0
+        return 1 if bad or not live or not self._0_is_not_special() else 0
+
+    def late(self, processes: list[int], deadline: float) -> int:
+        """Starts ``processes`` again after the run is over; 0 if each exits with 0."""
+        for p in processes:
+            self.start(p)
+            print(f"elastic.py: started process {p} after the run was over", flush=True)
+        codes = {}
+        for p in processes:
+            try:
+                codes[p] = self.procs[p].wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                codes[p] = None
+        if any(c != 0 for c in codes.values()):
+            print(f"elastic.py: late processes ended with {codes}", file=sys.stderr, flush=True)
+            return 1
+        return 0
 
 
 def launch(args, argv: list[str]) -> int:
@@ -381,6 +451,8 @@ def launch(args, argv: list[str]) -> int:
         run = _Launcher(args, argv, events)
         deadline = time.monotonic() + args.timeout
         try:
+            if args.coordinator_process:
+                run.start_coordinator()
             for i in range(args.processes):
                 run.start(i)
             while True:
@@ -388,7 +460,7 @@ def launch(args, argv: list[str]) -> int:
                 run.act(kills, restarts, stalls)
                 code = run.finished()
                 if code is not None:  # nobody left to reach a pending --restart's step
-                    return code
+                    return max(code, run.late(args.late, deadline)) if args.late else code
                 if time.monotonic() > deadline:
                     print(f"elastic.py: timed out after {args.timeout} s", file=sys.stderr)
                     return 1
@@ -401,6 +473,7 @@ def launch(args, argv: list[str]) -> int:
                         p.kill()
             for p in run.procs.values():
                 p.wait()
+            run.stop_coordinator()  # after the trainers: they talk to it to the end
 
 
 def main(argv: list[str] | None = None) -> int:

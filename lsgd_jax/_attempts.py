@@ -1,10 +1,11 @@
 """Attempts under JAX's ``live_devices`` barrier, retried until one succeeds everywhere.
 
 One attempt: the barrier's live set, the membership record (an epoch) agreed through
-process 0, the state moved onto that epoch's mesh (and joiners healed), then the work,
-waited for on every device. The barrier at the attempt's end makes success
-all-or-nothing across the live processes; a failed attempt is retried from the state
-before it. :class:`lsgd_jax.elastic.ElasticLoop` runs its steps through this.
+its leader (the lowest live process that holds the model), the state moved onto that
+epoch's mesh (and joiners healed), then the work, waited for on every device. The
+barrier at the attempt's end makes success all-or-nothing across the live processes;
+a failed attempt is retried from the state before it.
+:class:`lsgd_jax.elastic.ElasticLoop` runs its steps through this.
 """
 
 from __future__ import annotations
@@ -188,6 +189,8 @@ class Attempts:
         self.layout: Layout | None = None
         self.given: Any = None
         self.records_started = False
+        self.last_step: int | None = None  # run's num_steps while it trains
+        self.over: int | None = None  # set when this process arrived after the last step
 
     def _adopt(self, state, step: int, view: View, layout: Layout, new_view: bool):
         """This process's state over the new mesh (healed if anyone joins), and its step.
@@ -208,7 +211,8 @@ class Attempts:
                 )
         if new_view and view.joining:
             params, opt_state = state
-            state = _heal.heal(params, opt_state, layout.mesh, AXES, joining, me == 0)
+            source = min(p for p in view.processes if p not in view.joining)
+            state = _heal.heal(params, opt_state, layout.mesh, AXES, joining, me == source)
         return state, step
 
     def _members(self) -> tuple[tuple[int, int], ...]:
@@ -217,7 +221,7 @@ class Attempts:
         incarnation = mh.live_devices.devices
         assert incarnation is not None  # set by entering the block
         members = tuple(sorted({(d.process_index, int(i)) for d, i in incarnation.items()}))
-        if 0 not in {p for p, _ in members}:
+        if not _membership.external_coordinator() and 0 not in {p for p, _ in members}:
             raise CoordinatorLostError(
                 "lsgd_jax.elastic: process 0 (the coordination service's host) is "
                 "gone; the run cannot continue. Restart the job (from a checkpoint)."
@@ -236,6 +240,11 @@ class Attempts:
             layout = _membership.layout_for(view)
         if changed or self.given is not None:
             state, step = self._adopt(state, step, view, layout, changed)
+        if self.view is None and self.last_step is not None and step >= self.last_step:
+            # A (re)started process met the survivors after their last step (they are
+            # at their consensus): it was healed with them, but has no step to run.
+            self.over = step
+            return None, step, view, layout, changed
         return settle(work(state, step, layout)), step, view, layout, changed
 
     def _attempt(self, state, step: int, work: Callable[..., Any], label: str):
@@ -292,6 +301,8 @@ class Attempts:
             try:
                 out, new_step, changed = self._attempt(state, step, work, label)
             except Exception as e:
+                if self.over is not None:
+                    raise _membership.run_over(jax.process_index(), self.over) from None
                 if not peer_gone(e):  # the user's error (or the coordinator's loss): at once
                     raise
                 # A dead peer, a timed-out collective, a new member; or a peer that left
@@ -307,6 +318,8 @@ class Attempts:
                         f"(max_failures); the last: {failures[-1]}"
                     ) from e
                 continue
+            if self.over is not None:
+                raise _membership.run_over(jax.process_index(), self.over)
             disturbed = bool(failures) or (changed and self.records_started)
             recovery = time.perf_counter() - start if disturbed else None
             return out, new_step, recovery, tuple(failures)

@@ -112,3 +112,28 @@ def compiling(thread_id: int) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def distributed_runtime_service(
+    bind_address: str, num_processes: int, heartbeat_timeout_s: int, shutdown_timeout_s: int
+) -> Any:
+    """JAX's coordination service (what ``jax.distributed.initialize`` starts in process
+    0), started here, recoverable: a task that dies may connect again.
+
+    ``lsgd_jax.elastic_coordinator`` runs it in a process of its own, so that no trainer
+    is the one whose death ends the run. The returned object has ``shutdown()``.
+
+    Example:
+      >>> from lsgd_jax import _compat
+      >>> service = _compat.distributed_runtime_service("127.0.0.1:0", 2, 3, 5)  # doctest: +SKIP
+      >>> service.shutdown()  # doctest: +SKIP
+    """
+    from jax._src.lib import _jax
+
+    return _jax.get_distributed_runtime_service(
+        bind_address,
+        num_processes,
+        heartbeat_timeout=heartbeat_timeout_s,
+        shutdown_timeout=shutdown_timeout_s,
+        recoverable=True,
+    )

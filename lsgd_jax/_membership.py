@@ -2,11 +2,15 @@
 and the device order (mesh) every process derives from it.
 
 JAX's ``live_devices`` barrier gives every live process the same set of live processes
-and their incarnations (a restarted process has a new one). Process 0, which hosts the
-coordination service and so outlives every run that continues, numbers each new
+and their incarnations (a restarted process has a new one). A leader numbers each new
 membership (an epoch) in the coordination service's key-value store, with the step the
 survivors are at and who joins; every process reads that record, so a process that
-just (re)started learns the epoch, the step and that it must receive the state.
+just (re)started learns the epoch, the step and that it must receive the state. The
+leader is the lowest live process that holds the model: one that was in the last
+recorded membership and not joining in it (it has the survivors' state and step). So
+no process is special: process 0 too may die and come back (with the coordination
+service in a process of its own, ``lsgd_jax.elastic_coordinator``), and then it joins
+like any other.
 
 Why epochs name device orders: on CPU, gloo keys each communicator by the mesh's device
 order. A restarted process cannot reuse the key its dead incarnation registered
@@ -29,7 +33,58 @@ PREFIX = "lsgd_jax/elastic"
 
 
 class CoordinatorLostError(RuntimeError):
-    """Process 0 (the coordination service's host) is gone: no elastic run can go on."""
+    """The coordination service (process 0's, or ``lsgd_jax.elastic_coordinator``'s) is
+    gone, or every process that held the model is: no elastic run can go on."""
+
+
+class RunOver(SystemExit):
+    """This process (re)started after the run it would join was over: it exits with
+    status 0 (a ``SystemExit``), after one line saying so."""
+
+
+_EXTERNAL = {"coordinator": False}
+
+
+def set_external_coordinator(value: bool) -> None:
+    """Records whether the coordination service runs in a process of its own."""
+    _EXTERNAL["coordinator"] = bool(value)
+
+
+def external_coordinator() -> bool:
+    """Whether the coordination service runs in a process of its own (then process 0 is
+    a trainer like any other)."""
+    return _EXTERNAL["coordinator"]
+
+
+FINISHED = f"{PREFIX}/finished"
+
+
+def mark_finished(step: int) -> None:
+    """Records that the run reached ``step`` (its end): a process that (re)starts for a
+    run of at most that many steps then exits instead of joining."""
+    try:
+        client().key_value_set(FINISHED, str(int(step)), allow_overwrite=True)
+    except Exception:  # the service is gone: nobody can join anyway
+        pass
+
+
+def finished_step() -> int | None:
+    """The step the run ended at (:func:`mark_finished`), or None while it goes on."""
+    try:
+        return int(client().key_value_try_get(FINISHED))
+    except Exception:  # NOT_FOUND: not finished
+        return None
+
+
+def run_over(me: int, step: int) -> RunOver:
+    """The exit of a process that arrives after the run ended at ``step``; prints the one
+    line that says so."""
+    line = (
+        f"lsgd_jax.elastic: process {me} arrived after the run was over (it ended at step "
+        f"{step}); nothing to do, exiting with status 0."
+    )
+    print(line, flush=True)
+    return RunOver(0)
 
 
 class RunEndedError(RuntimeError):
@@ -98,7 +153,7 @@ def client() -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class View:
-    """One membership, as process 0 recorded it.
+    """One membership, as its leader recorded it.
 
     Attributes:
       members: ``(process, incarnation)`` pairs, by process.
@@ -173,43 +228,111 @@ def _key(members: tuple[tuple[int, int], ...]) -> str:
     return f"{PREFIX}/view/" + ",".join(f"{p}:{i}" for p, i in members)
 
 
+LATEST = f"{PREFIX}/latest"
+
+
+def _latest(c: Any) -> View | None:
+    try:
+        return View.from_json(c.key_value_try_get(LATEST))
+    except Exception:  # NOT_FOUND: no membership recorded yet
+        return None
+
+
+def leader(members: tuple[tuple[int, int], ...], latest: View | None) -> int | None:
+    """The process that records the next view: the lowest live one that holds the model
+    (in ``latest`` with the same incarnation and not joining in it); the lowest live one
+    before any view; None when no live process holds it.
+
+    Example:
+      >>> from lsgd_jax._membership import View, leader
+      >>> latest = View(((0, 5), (1, 6), (2, 7)), 4, 30, (0,))  # process 0 was joining
+      >>> leader(((0, 5), (1, 6)), latest), leader(((0, 9), (2, 7)), None)
+      (1, 0)
+    """
+    if latest is None:
+        return min(p for p, _ in members)
+    holders = [p for p, i in members if (p, i) in latest.members and p not in latest.joining]
+    return min(holders) if holders else None
+
+
 class Membership:
     """Agrees on the view of each attempt (call :meth:`agree` inside ``live_devices``)."""
 
     def __init__(self, timeout_s: float) -> None:
         self._timeout_ms = int(timeout_s * 1000)
-        self._last: View | None = None  # process 0: the view of its previous attempt
 
     def agree(
         self, members: tuple[tuple[int, int], ...], step: int, me: int, committed: View | None
     ) -> View:
-        """The view for these live members: process 0 records it, the others read it.
+        """The view for these live members: the leader (:func:`leader`) records it when
+        the membership changed, every process reads it.
 
         Args:
           members: ``(process, incarnation)`` of every live process, by process (the
             same on every process: ``live_devices`` is a barrier).
-          step: this process's next step (only process 0's is recorded).
+          step: this process's next step (only the leader's is recorded).
           me: this process's index.
           committed: the view of this process's last successful attempt (None at
-            first). Process 0's says who joins: whoever was not in it (an attempt that
+            first). The leader's says who joins: whoever was not in it (an attempt that
             failed healed no one).
 
         Returns:
           The agreed :class:`View`.
+
+        Raises:
+          RunOver: no live process holds the model and the run is over.
+          CoordinatorLostError: no live process holds the model and the run is not over.
         """
         c = client()
         key = _key(members)
-        if me == 0 and (self._last is None or self._last.members != members):
-            if self._last is not None:
+        latest = _latest(c)
+        lead = leader(members, latest)
+        if lead is None:
+            end = finished_step()
+            if end is not None:
+                raise run_over(me, end)
+            raise CoordinatorLostError(
+                f"lsgd_jax.elastic: every process that held the model is gone (live now: "
+                f"{[p for p, _ in members]}, none of them in the last membership "
+                f"{latest.processes if latest else ()}); the run cannot go on. Restart the "
+                "job (from a checkpoint)."
+            )
+        if me == lead and (latest is None or latest.members != members):
+            if latest is not None:
                 # The old record goes first: if that membership comes back later, its
                 # readers wait for the new record instead of reading a stale epoch.
-                c.key_value_delete(_key(self._last.members))
+                c.key_value_delete(_key(latest.members))
             before = set(committed.members) if committed is not None else set(members)
             joining = tuple(p for p, i in members if (p, i) not in before)
-            epoch = 0 if self._last is None else self._last.epoch + 1
-            self._last = View(members, epoch, step, joining)
-            c.key_value_set(key, self._last.to_json(), allow_overwrite=True)
+            epoch = 0 if latest is None else latest.epoch + 1
+            view = View(members, epoch, step, joining)
+            c.key_value_set(LATEST, view.to_json(), allow_overwrite=True)
+            c.key_value_set(key, view.to_json(), allow_overwrite=True)
         return View.from_json(c.blocking_key_value_get(key, self._timeout_ms))
+
+
+def forget_global_topology() -> list[str]:
+    """Deletes the device topology process 0 published when the backend first started.
+
+    Process 0 writes the job's global topology once, and may not overwrite it; when the
+    coordination service outlives process 0 (``lsgd_jax.elastic_coordinator``), a
+    restarted process 0 would fail to start its backend (``ALREADY_EXISTS: key
+    cpu:global_topology/cpu``). The others read it only at their start, and the devices
+    do not change, so it can go. Call before the backend starts.
+
+    Returns:
+      The deleted keys.
+    """
+    c, gone = client(), []
+    for platform in ("cpu", "cuda", "gpu", "rocm"):
+        key = f"{platform}:global_topology/{platform}"
+        try:
+            c.key_value_try_get_bytes(key)
+        except Exception:  # nothing published for this platform
+            continue
+        c.key_value_delete(key)
+        gone.append(key)
+    return gone
 
 
 def forget_own_gloo_keys(device_ids: set[int]) -> list[str]:

@@ -17,9 +17,15 @@ A process that (re)starts joins the running job: it receives the survivors' cons
 params, one live replica's optimizer state and the step counters, and is in the next
 step's averages; the survivors do not stop. A process that hangs without dying (its
 heartbeats stop, e.g. SIGSTOP) is treated as dead after the heartbeat timeout; one that
-stalls inside Python is ended by the loop's watchdog (``stall_timeout_s``). If process 0
-dies, the coordination service it hosts goes with it and every process ends with an
-error (JAX terminates them); no run can continue without it.
+stalls inside Python is ended by the loop's watchdog (``stall_timeout_s``).
+
+No trainer needs to be special: run JAX's coordination service in a process of its own
+(``python -m lsgd_jax.elastic_coordinator --port P --processes N``) and start every
+trainer with ``initialize(..., external_coordinator=True)``; then any trainer, process 0
+included, may die and come back, and the lowest live process that holds the model leads
+each membership change. Without it, process 0 hosts the service: if process 0 dies,
+every process ends with an error (JAX terminates them). A process that (re)starts after
+the run is over prints one line saying so and exits with status 0.
 
 Start every process with :func:`initialize` (instead of ``jax.distributed.initialize``),
 which turns on JAX's recoverability, sets collective timeouts and keeps a dead peer
@@ -93,6 +99,7 @@ def initialize(
     heartbeat_timeout_s: int = 3,
     collective_timeout_s: int = 5,
     initialization_timeout_s: int = 60,
+    external_coordinator: bool = False,
 ) -> None:
     """``jax.distributed.initialize`` for an elastic run; call it before any JAX work.
 
@@ -102,7 +109,8 @@ def initialize(
     flags of JAX's fault-tolerance guide), selects gloo on CPU, and connects.
 
     Args:
-      coordinator_address: ``host:port`` of process 0's coordination service.
+      coordinator_address: ``host:port`` of the coordination service: process 0's, or
+        with ``external_coordinator`` that of ``lsgd_jax.elastic_coordinator``.
       num_processes: processes in the job (a restarted one counts once).
       process_id: this process's index; a restarted process reuses its old index.
       platform: ``"cpu"`` or ``"gpu"``.
@@ -113,6 +121,11 @@ def initialize(
       collective_timeout_s: seconds a collective waits for a missing peer (CPU).
       initialization_timeout_s: seconds to wait for the coordinator (a process started
         when process 0 is gone fails after this instead of retrying forever).
+      external_coordinator: the service runs in a process of its own (``python -m
+        lsgd_jax.elastic_coordinator --port P --processes N``, started before the
+        trainers, stopped after them): no trainer hosts it, so any trainer, process 0
+        included, may die and come back. Process 0 then binds JAX's own (unused)
+        service to a free port of 127.0.0.1.
 
     Returns:
       None.
@@ -126,6 +139,8 @@ def initialize(
     Example:
       >>> import lsgd_jax.elastic as elastic
       >>> elastic.initialize("127.0.0.1:9876", 3, 0, num_cpu_devices=2)  # doctest: +SKIP
+      >>> # with `python -m lsgd_jax.elastic_coordinator --port 9876 --processes 3`:
+      >>> elastic.initialize("127.0.0.1:9876", 3, 0, external_coordinator=True)  # doctest: +SKIP
     """
     from lsgd_jax import _compat
 
@@ -138,14 +153,18 @@ def initialize(
         local_device_ids,
         (heartbeat_timeout_s, collective_timeout_s, initialization_timeout_s),
     )
+    if not isinstance(external_coordinator, bool):
+        raise TypeError(
+            f"initialize: external_coordinator must be True or False, got {external_coordinator!r}."
+        )
     if _compat.backends_are_initialized():
         raise RuntimeError(
             "lsgd_jax.elastic.initialize: JAX's backend is already running, so its "
             "collective timeouts can no longer be set; call initialize() before any "
             "other JAX call (jax.devices(), creating arrays, jit)."
         )
-    if process_id != 0:  # process 0 starts the service
-        _wait_for_coordinator(coordinator_address, initialization_timeout_s)
+    if process_id != 0 or external_coordinator:  # else process 0 starts the service
+        _wait_for_coordinator(coordinator_address, initialization_timeout_s, external_coordinator)
     flags = [_CPU_FLAGS.format(t=collective_timeout_s)]
     if platform == "gpu":
         flags += list(_GPU_FLAGS)
@@ -164,7 +183,12 @@ def initialize(
         local_device_ids=local_device_ids,
         heartbeat_timeout_seconds=heartbeat_timeout_s,
         initialization_timeout=initialization_timeout_s,
+        # Process 0's own service, unused when the job's runs elsewhere: any free port.
+        coordinator_bind_address="127.0.0.1:0" if external_coordinator else None,
     )
+    _membership.set_external_coordinator(external_coordinator)
+    if external_coordinator and process_id == 0:
+        _membership.forget_global_topology()
 
 
 def _check_initialize_args(
@@ -229,7 +253,7 @@ def _positive_seconds(value: Any, name: str, none_ok: bool = False) -> float | N
     return float(value)
 
 
-def _wait_for_coordinator(address: str, timeout_s: float) -> None:
+def _wait_for_coordinator(address: str, timeout_s: float, external: bool = False) -> None:
     """Returns once ``address`` accepts TCP connections; CoordinatorLostError after
     ``timeout_s`` (else JAX would retry for its whole initialization timeout and then
     abort the process)."""
@@ -241,10 +265,15 @@ def _wait_for_coordinator(address: str, timeout_s: float) -> None:
                 return
         except OSError as e:
             if time.monotonic() > deadline:
+                host = (
+                    "the coordinator process (python -m lsgd_jax.elastic_coordinator) is"
+                    if external
+                    else "process 0 is"
+                )
                 raise CoordinatorLostError(
                     f"lsgd_jax.elastic.initialize: no coordination service at {address} "
-                    f"after {timeout_s} s ({e}); process 0 is gone (the run is over or "
-                    "failed) or not started. Start the job again with process 0."
+                    f"after {timeout_s} s ({e}); {host} gone (the run is over or failed) "
+                    f"or not started. Start the job again with {host.split(' is')[0]}."
                 ) from e
             time.sleep(0.2)
 
@@ -516,6 +545,10 @@ class ElasticLoop:
         Returns:
           An :class:`ElasticResult` with this process's state and its records.
 
+        Raises:
+          SystemExit: with status 0, after one line saying so, in a process that
+            (re)started after the run reached ``num_steps`` (nothing left to join).
+
         Example:
           >>> first = loop.run(100)  # doctest: +SKIP
           >>> more = loop.run(200, first_step=100,  # doctest: +SKIP
@@ -527,7 +560,10 @@ class ElasticLoop:
         attempts.given = state  # moved onto the mesh by the first attempt that succeeds
         step: int = first_step
         records: list[StepRecord] = []
-        attempts.records_started = False
+        attempts.records_started, attempts.last_step = False, num_steps
+        end = _membership.finished_step() if attempts.view is None else None
+        if end is not None and end >= num_steps:  # (re)started after the run was over
+            raise _membership.run_over(jax.process_index(), end)
         while step < num_steps:
             (params, opt_state, loss), step, recovery, failures = attempts.retrying(
                 "training step", state, step, self._train_work
@@ -540,7 +576,8 @@ class ElasticLoop:
             if self._on_step is not None:
                 self._on_step(record)
             step += 1
-        self._step = step
+        self._step, attempts.last_step = step, None
+        _membership.mark_finished(step)
         assert state is not None and self.layout is not None  # num_steps >= 1 ran
         return ElasticResult(state[0], state[1], self.layout, records)
 
@@ -567,7 +604,8 @@ class ElasticLoop:
         """Leaves the run cleanly (:func:`shutdown` over this loop's live processes).
 
         Args:
-          timeout_s: how long process 0 waits for the others to say they are done.
+          timeout_s: how long process 0 waits for the others to say they are done (when
+            it hosts the coordination service).
 
         Returns:
           None.
@@ -578,10 +616,12 @@ class ElasticLoop:
 def shutdown(processes: Any = None, timeout_s: float = 30.0) -> None:
     """Leaves an elastic job cleanly: every process calls it at the end.
 
-    Process 0 hosts the coordination service, so it leaves last: it waits (up to
-    ``timeout_s``) until every other process of ``processes`` has said it is done and
-    has disconnected. If it left first, JAX would end the others (they are still
-    talking to the service when they shut down).
+    With the coordination service in a process of its own (``initialize(...,
+    external_coordinator=True)``), each process just says it is done and disconnects.
+    Else process 0 hosts the service, so it leaves last: it waits (up to ``timeout_s``)
+    until every other process of ``processes`` has said it is done and has
+    disconnected. If it left first, JAX would end the others (they are still talking to
+    the service when they shut down).
 
     Args:
       processes: the live processes (e.g. ``result.layout.processes``); default all.
@@ -595,7 +635,7 @@ def shutdown(processes: Any = None, timeout_s: float = 30.0) -> None:
     """
     _positive_seconds(timeout_s, "lsgd_jax.elastic.shutdown: timeout_s")
     c, me = _membership.client(), jax.process_index()
-    if me != 0:
+    if me != 0 or _membership.external_coordinator():
         c.key_value_set(f"{_membership.PREFIX}/done/{me}", "1", allow_overwrite=True)
         jax.distributed.shutdown()
         return

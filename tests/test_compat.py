@@ -53,3 +53,9 @@ def test_compilation_is_seen_on_a_threads_stack():
     # Each function it looks for is still where it looks (tracing, lowering, compiling).
     for module, name in _compat.COMPILE_FUNCTIONS:
         assert callable(getattr(module, name, None)), f"jax moved {module.__name__}.{name}"
+
+
+def test_a_recoverable_coordination_service_starts_and_stops():
+    # lsgd_jax.elastic_coordinator's service: port 0 lets the system pick a free port.
+    service = _compat.distributed_runtime_service("127.0.0.1:0", 2, 3, 5)
+    service.shutdown()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import re
 import time
 
 import jax
@@ -218,3 +219,38 @@ def test_the_watchdog_does_not_count_compilation_but_does_count_a_stall():
     finally:
         dog.disarm()
         dog.close()
+
+
+def test_the_leader_is_the_lowest_live_process_that_holds_the_model():
+    View = _membership.View
+    # Before any view: the lowest live process, whichever it is.
+    assert _membership.leader(((1, 7), (2, 8)), None) == 1
+    latest = View(((0, 5), (1, 6), (2, 7)), 3, 20, ())
+    assert _membership.leader(((0, 5), (1, 6), (2, 7)), latest) == 0
+    assert _membership.leader(((1, 6), (2, 7)), latest) == 1  # process 0 died
+    # Process 0 came back (a new incarnation): it joins, it does not lead.
+    assert _membership.leader(((0, 9), (1, 6), (2, 7)), latest) == 1
+    back = View(((0, 9), (1, 6), (2, 7)), 4, 26, (0,))
+    assert _membership.leader(((0, 9), (2, 7)), back) == 2  # joining in the last one
+    assert _membership.leader(((0, 9),), back) is None  # nobody holds the model
+
+
+def test_initialize_refuses_an_external_coordinator_that_is_not_a_bool():
+    with pytest.raises(TypeError, match="external_coordinator must be True or False.*'yes'"):
+        lsgd_jax.elastic.initialize("127.0.0.1:1", 2, 0, external_coordinator="yes")
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (["--port", "0", "--processes", "2"], "port must be in 1-65535, got 0"),
+        (["--port", "9876", "--processes", "0"], "num_processes.*got 0"),
+    ],
+)
+def test_the_coordinator_refuses_a_bad_port_or_count(args, match, capsys):
+    from lsgd_jax import elastic_coordinator
+
+    with pytest.raises(SystemExit) as e:
+        elastic_coordinator.main(args)
+    assert e.value.code == 2
+    assert re.search(match, capsys.readouterr().err)
