@@ -24,7 +24,7 @@ import numpy as np
 
 from lsgd_jax import _checkpoint_config as _config
 from lsgd_jax import _checkpoint_files as _files
-from lsgd_jax import _validate
+from lsgd_jax import _resize, _validate
 from lsgd_jax._checkpoint_files import UnreadableCheckpointError
 from lsgd_jax._sync import assert_replicas_in_sync
 
@@ -206,6 +206,7 @@ def restore_checkpoint(
     *,
     check_in_sync: bool = True,
     strict: bool = False,
+    resize: bool = False,
 ) -> Any:
     """Restores a checkpoint saved by :func:`save_checkpoint` into the shape of ``target``.
 
@@ -287,7 +288,13 @@ def restore_checkpoint(
         for candidate in [step] if step is not None else steps[::-1]:
             try:
                 restored, lines = _restore_step(
-                    reader, directory, candidate, paths, abstract, str(treedef), target, strict
+                    reader,
+                    directory,
+                    candidate,
+                    (paths, abstract, str(treedef)),
+                    target,
+                    strict,
+                    resize,
                 )
                 break
             except _files.Damaged as d:
@@ -318,7 +325,10 @@ def restore_checkpoint(
     if lines:
         warnings.warn(_config.mismatch(candidate, lines, strict=False), stacklevel=2)
     names = _leaf_names(len(abstract))
-    tree = jax.tree_util.tree_unflatten(treedef, [restored[n] for n in names])
+    leaves = [restored[n] for n in names]
+    if resize:
+        leaves = _resize.apply(candidate, paths, leaves, abstract, target)
+    tree = jax.tree_util.tree_unflatten(treedef, leaves)
     if check_in_sync:
         assert_replicas_in_sync(tree)
     return tree
@@ -328,14 +338,14 @@ def _restore_step(
     reader: Any,
     directory: str | os.PathLike,
     step: int,
-    paths: list[str],
-    abstract: list[Any],
-    treedef: str,
+    flat: tuple[list[str], list[Any], str],
     target: Any,
     strict: bool,
+    resize: bool,
 ) -> tuple[dict[str, Any], list[str]]:
     """The arrays of ``step`` and the differences to report; raises _files.Damaged if unreadable."""
     ocp = _ocp()
+    paths, abstract, treedef = flat
     step_dir = _files.step_dir(directory, step)
     damage = _files.damage(step_dir)
     if damage is not None:
@@ -348,7 +358,11 @@ def _restore_step(
         raise _files.Damaged(
             os.path.join(step_dir, _MANIFEST), f"failed to read ({type(e).__name__}: {e})"
         ) from e
-    _check_manifest(manifest, paths, abstract, step)
+    _check_count(manifest, paths, step)
+    if resize:  # per-replica leaves are read as saved, resized afterwards (_resize.apply)
+        abstract = _resize.read_abstract(manifest, paths, abstract, step)
+    else:
+        _check_shapes(manifest, paths, abstract)
     lines = _config.differences(manifest, paths, treedef, target)
     if lines and strict:
         raise ValueError(_config.mismatch(step, lines, strict=True))
@@ -368,7 +382,7 @@ def _restore_step(
     return restored, lines
 
 
-def _check_manifest(manifest: dict, paths: list[str], abstract: list[Any], step: int) -> None:
+def _check_count(manifest: dict, paths: list[str], step: int) -> None:
     saved = manifest["paths"]
     if len(saved) != len(paths):
         missing = [p for p in paths if p not in saved]
@@ -379,11 +393,15 @@ def _check_manifest(manifest: dict, paths: list[str], abstract: list[Any], step:
             f"in the target: {extra or 'none'}. Build the target exactly as the saved tree "
             "was built."
         )
+
+
+def _check_shapes(manifest: dict, paths: list[str], abstract: list[Any]) -> None:
     for p, shape, dtype, x in zip(paths, manifest["shapes"], manifest["dtypes"], abstract):
         if tuple(shape) != tuple(np.shape(x)) or dtype != str(np.dtype(x.dtype)):
             raise ValueError(
                 f"restore_checkpoint: leaf {p or '(root)'} was saved as {dtype}{list(shape)} "
                 f"but the target is {np.dtype(x.dtype)}{list(np.shape(x))}. Per-replica "
                 "values have a leading axis of one entry per replica: restore on a mesh "
-                "with as many replicas as the run that saved it."
+                "with as many replicas as the run that saved it, or pass resize=True to "
+                "restore onto another number of replicas (docs/checkpoints.md)."
             )
