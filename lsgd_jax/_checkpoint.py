@@ -230,6 +230,19 @@ def restore_checkpoint(
     restored; so is a step whose arrays then fail to read. A damaged ``step`` asked for
     explicitly raises :class:`UnreadableCheckpointError`. Nothing is ever deleted.
 
+    ``resize=True`` restores a checkpoint of N replicas onto a target of M (another mesh,
+    e.g. more or fewer hosts). A leaf whose leading axis has N entries in the checkpoint
+    and M in the target, the rest of its shape alike, is per replica, and every new
+    replica gets the same value: a floating leaf (params, momentum and Adam moments, the
+    anchor and outer optimizer state, an error-feedback residual, a delayed average's
+    ``inflight_start`` and ``inflight_mean``, batch-norm statistics) the mean over the
+    saved replicas, exactly the saved value wherever they all hold the same one; an
+    integer leaf (the step counters, Adam's count) the saved value, which every saved
+    replica must hold (else :class:`ReplicasOutOfSyncError`); a ``skipped`` record
+    whether any saved replica skipped. Other leaves restore as saved; with M == N
+    everything does (bitwise the plain restore). docs/checkpoints.md ("Restoring onto
+    another number of replicas") says why each rule is the right one.
+
     With several processes every process must call this. Afterwards
     :func:`assert_replicas_in_sync` checks that every replica and process restored the
     same step counters (unless ``check_in_sync=False``), so that a process that restored
@@ -243,6 +256,7 @@ def restore_checkpoint(
         :func:`latest_checkpoint_step`).
       check_in_sync: run :func:`assert_replicas_in_sync` on the result.
       strict: raise instead of warning when names or static metadata differ.
+      resize: allow another number of replicas than the checkpoint's (see above).
 
     Returns:
       The restored pytree, with ``target``'s structure and shardings.
@@ -251,10 +265,12 @@ def restore_checkpoint(
       FileNotFoundError: no checkpoint (or not ``step``) under ``directory``.
       UnreadableCheckpointError: ``step`` (or, with ``step=None``, every saved step) has
         damaged files; a subclass of ValueError.
-      ValueError: the saved leaves do not match ``target``'s paths, shapes or dtypes;
-        or, with ``strict=True``, its names or static metadata.
+      ValueError: the saved leaves do not match ``target``'s paths, shapes or dtypes
+        (with ``resize=True``: shapes beyond the leading replica axis, or two replica
+        counts in one target); or, with ``strict=True``, its names or static metadata.
       ReplicasOutOfSyncError: the restored step counters differ between replicas or
-        processes.
+        processes; with ``resize=True``, an integer leaf differs between the saved
+        replicas.
 
     Example:
       >>> import tempfile, jax.numpy as jnp, optax, lsgd_jax
@@ -269,6 +285,25 @@ def restore_checkpoint(
       ...     restored = lsgd_jax.restore_checkpoint(ckpt_dir, fresh(), strict=True)
       >>> restored["params"][0], restored["opt_state"][0].start_localSGD_iter
       (Array([1., 1., 1.], dtype=float32), 4)
+
+      Eight replicas saved, restored onto four (``make_mesh(1, 4)``: the first four
+      devices); the params become the saved replicas' mean:
+
+      >>> state = fresh()
+      >>> state["params"] = state["params"] + jnp.arange(8.0)[:, None]  # replica r: r
+      >>> four = lsgd_jax.make_mesh(1, 4)
+      >>> target = {"params": lsgd_jax.replicate(jnp.zeros(3), four),
+      ...           "opt_state": lsgd_jax.replicate(tx.init(jnp.zeros(3)), four)}
+      >>> with tempfile.TemporaryDirectory() as ckpt_dir:
+      ...     _ = lsgd_jax.save_checkpoint(ckpt_dir, 3, state)
+      ...     resized = lsgd_jax.restore_checkpoint(ckpt_dir, target, resize=True)
+      >>> resized["params"]
+      Array([[3.5, 3.5, 3.5],
+             [3.5, 3.5, 3.5],
+             [3.5, 3.5, 3.5],
+             [3.5, 3.5, 3.5]], dtype=float32)
+      >>> int(resized["opt_state"][0].iter[0])  # counters are copied
+      0
     """
     ocp = _ocp()
     paths, leaves, treedef = _flatten(target)

@@ -123,7 +123,18 @@ def roles(target: Any) -> list[str]:
 
 
 def _reduce(x: Any, role: str, xp: Any) -> tuple[Any, Any]:
-    """The one value every new replica gets, and whether an integer leaf agreed."""
+    """The one value every new replica gets, and whether an integer leaf agreed.
+
+    ``xp`` is ``numpy`` (host leaves) or ``jax.numpy`` (inside the resizing program).
+
+    Example:
+      >>> import numpy as np
+      >>> from lsgd_jax._resize import _reduce
+      >>> _reduce(np.array([[1.0, 2.0], [4.0, 2.0]], np.float32), "value", np)
+      (array([2.5, 2. ], dtype=float32), True)
+      >>> _reduce(np.array([3, 4], np.int32), "value", np)  # a counter that disagrees
+      (np.int32(3), np.False_)
+    """
     if role == _SKIPPED:
         return xp.any(x, axis=0), True
     if not xp.issubdtype(x.dtype, xp.inexact):
