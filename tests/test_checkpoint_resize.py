@@ -279,3 +279,16 @@ def test_adam_moments_and_model_state_resize_and_adams_count_is_copied(tmp_path)
     np.testing.assert_array_equal(count, [4] * 4)
     np.testing.assert_array_equal(np.asarray(restored["model_state"]["mean"]), 3.5)
     continue_training(tx, restored, 4, 4)
+
+
+def test_per_replica_integers_that_differ_are_named_by_element(tmp_path):
+    keys = np.array([[0, 1], [0, 2], [0, 1], [0, 1]], np.uint32)  # e.g. PRNG keys
+    lsgd_jax.save_checkpoint(tmp_path, 0, {"key": keys})
+    with pytest.raises(lsgd_jax.ReplicasOutOfSyncError) as err:
+        lsgd_jax.restore_checkpoint(tmp_path, {"key": np.zeros((2, 2), np.uint32)}, resize=True)
+    assert "['key'] (element 1 of each replica's): 1 on replicas 0,2-3; 2 on replica 1" in str(
+        err.value
+    )
+    assert "PRNG keys" in str(err.value) and "without resize=True" in str(err.value)
+    back = lsgd_jax.restore_checkpoint(tmp_path, {"key": np.zeros((4, 2), np.uint32)})
+    np.testing.assert_array_equal(back["key"], keys)  # as many replicas: as saved
