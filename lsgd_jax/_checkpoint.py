@@ -334,17 +334,7 @@ def restore_checkpoint(
                 break
             except _files.Damaged as d:
                 if step is not None:
-                    others = _files.readable(directory, [s for s in steps if s != step])
-                    raise UnreadableCheckpointError(
-                        f"restore_checkpoint: checkpoint {step} under {directory!r} is "
-                        f"unreadable: {d.path} {d.reason}. Files damaged after the save (a "
-                        "full disk, an interrupted copy) do this; nothing was changed. Restore "
-                        f"another step (readable: {others or 'none'}; step=None takes the "
-                        "newest readable one), or put back an intact copy of the folder.",
-                        step,
-                        d.path,
-                        d.reason,
-                    ) from d.__cause__
+                    raise _unreadable(directory, step, steps, d) from d.__cause__
                 warnings.warn(
                     _files.skipped_message("restore_checkpoint", candidate, *d.args), stacklevel=2
                 )
@@ -367,6 +357,23 @@ def restore_checkpoint(
     if check_in_sync:
         assert_replicas_in_sync(tree)
     return tree
+
+
+def _unreadable(
+    directory: str | os.PathLike, step: int, steps: list[int], d: _files.Damaged
+) -> UnreadableCheckpointError:
+    """The error for a damaged step asked for explicitly, naming the readable ones."""
+    others = _files.readable(directory, [s for s in steps if s != step])
+    return UnreadableCheckpointError(
+        f"restore_checkpoint: checkpoint {step} under {directory!r} is "
+        f"unreadable: {d.path} {d.reason}. Files damaged after the save (a "
+        "full disk, an interrupted copy) do this; nothing was changed. Restore "
+        f"another step (readable: {others or 'none'}; step=None takes the "
+        "newest readable one), or put back an intact copy of the folder.",
+        step,
+        d.path,
+        d.reason,
+    )
 
 
 def _restore_step(
