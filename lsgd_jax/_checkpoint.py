@@ -10,7 +10,8 @@ its own shards.
 
 A damaged newest step is skipped (``_checkpoint_files``), and a restore warns only when
 the static configuration really changed, one line per changed field
-(``_checkpoint_config``).
+(``_checkpoint_config``). ``resize=True`` restores a checkpoint of N replicas onto M
+(``_resize``: which leaves are per replica, and the value each new replica gets).
 """
 
 from __future__ import annotations
