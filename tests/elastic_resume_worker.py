@@ -13,6 +13,13 @@ Scenarios (2 CPU devices a process; one process unless said):
 * ``compile``: a first step whose compilation (its trace sleeps 8 s) outlasts
   ``stall_timeout_s=4`` completes (prints ``SURVIVED``); then a step stuck in Python
   is ended by the watchdog (exit code 75).
+* ``late`` (with ``lsgd_jax.elastic_coordinator``; 2 processes; ``WHO``: ``first``
+  or ``again``): both start (JAX's service waits for every process to connect once);
+  process 1 leaves at once; process 0 runs 3 steps alone, forgets that the run ended
+  (as if a newcomer had looked before it was recorded), prints ``READY`` and runs
+  ``consensus`` until the membership changed. Process 1 started ``again`` then meets
+  it there: its ``run(3)`` is healed with it and exits 0 with one line (it has no
+  step left to run).
 * ``user-error``: ``PROCESSES`` processes; the loss raises ValueError at step 2 (when
   it is traced for local SGD's first step) on process ``WHO`` (or on ``every``
   process); each attempt prints ``ATTEMPT step``.
@@ -27,7 +34,9 @@ import lsgd_jax.elastic as elastic
 PORT = sys.argv[1]
 SCENARIO = sys.argv[2] if len(sys.argv) > 2 else "resume"
 NPROC, PID = (int(sys.argv[3]), int(sys.argv[4])) if len(sys.argv) > 4 else (1, 0)
-elastic.initialize(f"127.0.0.1:{PORT}", NPROC, PID, num_cpu_devices=2)
+elastic.initialize(
+    f"127.0.0.1:{PORT}", NPROC, PID, num_cpu_devices=2, external_coordinator=SCENARIO == "late"
+)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -140,6 +149,29 @@ def compile_then_stall():
     print("NOT ENDED BY THE WATCHDOG", flush=True)
 
 
+def late_consensus():
+    from lsgd_jax import _membership
+
+    if PID == 1 and sys.argv[5] == "first":
+        jax.devices()  # the others' backends need this process's devices once
+        jax.distributed.shutdown()
+        print("LEFT", flush=True)
+        return
+    loop = make_loop()
+    if PID == 1:
+        loop.run(3)
+        print("NOT ENDED: the late process ran", flush=True)
+        return
+    result = loop.run(3)
+    _membership.client().key_value_delete(_membership.FINISHED)
+    print("READY", flush=True)
+    deadline = time.monotonic() + 90
+    while loop.layout.epoch == 0 and time.monotonic() < deadline:
+        loop.consensus(result)
+    print("CONSENSUS on", list(loop.layout.processes), "epoch", loop.layout.epoch, flush=True)
+    loop.shutdown()
+
+
 def user_error():
     who, at = sys.argv[5], [0]
 
@@ -157,6 +189,10 @@ def user_error():
     print("FINISHED", flush=True)
 
 
-{"resume": resume, "misuse": misuse, "compile": compile_then_stall, "user-error": user_error}[
-    SCENARIO
-]()
+{
+    "resume": resume,
+    "misuse": misuse,
+    "compile": compile_then_stall,
+    "user-error": user_error,
+    "late": late_consensus,
+}[SCENARIO]()

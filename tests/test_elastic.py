@@ -144,16 +144,90 @@ def test_a_restarted_process_rejoins_and_ends_with_the_same_model(tmp_path, comm
     check_finished_together(records, [0, 1, 2], out)
 
 
-def test_when_process_0_dies_every_process_ends_quickly(tmp_path):
+def test_when_process_0_hosts_the_service_and_dies_every_process_ends_quickly(tmp_path):
     # Process 0 hosts the coordination service: JAX ends the others (SIGABRT) at once.
     # (Measured: always that abort; a process that got an error from the gone service
     # first would end with CoordinatorLostError or another exception instead.)
-    code, seconds, records, out = launch(tmp_path, "--kill", "0@8", "--step-time", "0.05")
+    code, seconds, records, out = launch(
+        tmp_path, "--no-coordinator-process", "--kill", "0@8", "--step-time", "0.05"
+    )
     assert code == 1
     assert "processes ended with" in out, out[-3000:]  # all ended: none hung
     assert "leader task was preempted/died" in out or "CoordinatorLostError" in out
     assert not finals(records)  # nobody claims to have finished the run
     assert seconds < 90
+
+
+def test_with_a_coordinator_process_trainer_0_may_die_and_come_back(tmp_path):
+    # The coordination service runs in a process of its own (the launcher's default):
+    # SIGKILL of trainer 0 costs the others one failed step; they go on, led by process
+    # 1; trainer 0 restarted joins them and all three end with one model.
+    # Restarted at once: it starts up while the others find it dead and go on.
+    steps = 32
+    code, seconds, records, out = launch(
+        tmp_path, "--kill", "0@8", "--restart", "0@8", "--step-time", "0.2", steps=steps
+    )
+    assert code == 0, out[-3000:]
+    assert "serving 3 processes" in out and "leader task" not in out, out[-3000:]
+    for p in (1, 2):
+        assert steps_of(records, p) == list(range(steps))
+    mine = steps_of(records, 0)
+    back = next(s for a, s in zip(mine, mine[1:]) if s != a + 1)
+    assert mine == list(range(mine.index(back))) + list(range(back, steps)), mine
+    died = mine.index(back)  # the step it died in (its first one not completed)
+    assert 8 <= died <= 9 and back >= died
+    lost = [r for r in records if r.get("step") == died and r["process"] != 0]
+    assert len(lost) == 2 and all(r["recovery_s"] for r in lost), lost  # a failed step
+    if back > died:  # it came back after that step: the others ran it alone
+        assert all(r["live_processes"] == [1, 2] for r in lost), lost
+    rejoined = [r for r in records if r.get("step") == back]
+    assert {r["process"] for r in rejoined} == {0, 1, 2}
+    assert len({r["loss"] for r in rejoined}) == 1  # one step, one mean loss
+    check_finished_together(records, [0, 1, 2], out)
+    recovery = max(r["recovery_s"] for r in lost)
+    print(f"trainer 0 killed: recovery {recovery:.2f} s; run {seconds:.1f} s")
+    assert recovery < 30, recovery
+
+
+def test_a_process_that_arrives_after_the_run_is_over_exits_0_with_one_line(tmp_path):
+    # --late 1: the launcher starts process 1 again once every process finished; the
+    # coordinator process still runs, so it learns the run is over.
+    code, _, records, out = launch(tmp_path, "--late", "1", steps=4)
+    assert code == 0, out[-3000:]
+    fin = finals(records)  # (4 steps: too few for check_finished_together's accuracy)
+    assert sorted(fin) == [0, 1, 2] and len({f["consensus_sha256"] for f in fin.values()}) == 1
+    late = out[out.index("started process 1 after the run was over") :]
+    assert late.count("arrived after the run was over (it ended at step 4)") == 1, late
+    assert "Traceback" not in late and "leader task" not in late, late
+
+
+def test_a_process_that_slips_in_during_the_final_consensus_exits_0(tmp_path):
+    # It missed the record of the run's end: it meets process 0 in its consensus, is
+    # healed with it, runs no step and exits 0 with one line; process 0's consensus
+    # fails once for want of it and then completes alone.
+    from multiprocess import free_port, processes, wait_all, wait_for_text
+
+    port, worker = str(free_port()), str(ROOT / "tests" / "elastic_resume_worker.py")
+    coordinator = [sys.executable, "-m", "lsgd_jax.elastic_coordinator", "--port", port]
+    coordinator += ["--processes", "2", "--host", "127.0.0.1"]
+    cmds = [coordinator]
+    cmds += [[sys.executable, worker, port, "late", "2", str(i), "first"] for i in (0, 1)]
+    t0 = time.monotonic()
+    (tmp_path / "again").mkdir()
+    with processes(cmds, tmp_path) as (service, first, left):
+        assert wait_for_text(first, "READY", 60), first.output()[-3000:]
+        again = [sys.executable, worker, port, "late", "2", "1", "again"]
+        with processes([again], tmp_path / "again") as (late,):
+            codes = wait_all([late, first], 60)
+        logs = f"{first.output()[-3000:]}\n--- late ---\n{late.output()[-3000:]}"
+        assert codes == [0, 0] and left.popen.poll() == 0, f"{codes}\n{logs}"
+        service.popen.terminate()
+        assert wait_all([service], 10) == [0], service.output()[-2000:]
+    seconds = time.monotonic() - t0
+    said = "process 1 arrived after the run was over (it ended at step 3)"
+    assert late.output().count(said) == 1 and "Traceback" not in late.output(), logs
+    assert "NOT ENDED" not in late.output() and "CONSENSUS on [0]" in first.output(), logs
+    assert seconds < 60, seconds
 
 
 def test_a_process_started_without_a_coordinator_fails_clearly(tmp_path):
