@@ -49,6 +49,26 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def _job_args(ap: argparse.ArgumentParser) -> None:
+    """The options that shape the job: the coordinator process and late starts."""
+    ap.add_argument(
+        "--late",
+        action="append",
+        default=[],
+        type=int,
+        metavar="P",
+        help="start process P again after the run is over: it must exit 0 with one line saying so",
+    )
+    ap.add_argument(
+        "--coordinator-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run JAX's coordination service in a process of its own (python -m "
+        "lsgd_jax.elastic_coordinator), so that process 0 too may die and come back; "
+        "--no-coordinator-process: process 0 hosts it (its death ends the run)",
+    )
+
+
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--processes", type=int, default=3)
@@ -72,22 +92,7 @@ def parse(argv=None):
         help="train with data_parallel_step alone, without the elastic loop (no failures "
         "survived): to measure what the loop costs a step",
     )
-    ap.add_argument(
-        "--late",
-        action="append",
-        default=[],
-        type=int,
-        metavar="P",
-        help="start process P again after the run is over: it must exit 0 with one line saying so",
-    )
-    ap.add_argument(
-        "--coordinator-process",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="run JAX's coordination service in a process of its own (python -m "
-        "lsgd_jax.elastic_coordinator), so that process 0 too may die and come back; "
-        "--no-coordinator-process: process 0 hosts it (its death ends the run)",
-    )
+    _job_args(ap)
     ap.add_argument("--json", default=None, metavar="FILE")
     ap.add_argument("--start", type=int, default=10, help="start_localSGD_iter")
     ap.add_argument("--period", type=int, default=4, help="model averaging period")

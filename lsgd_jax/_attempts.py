@@ -172,6 +172,10 @@ class Attempts:
         attempt moves onto its mesh even if the membership did not change.
       records_started: whether a step was committed since the loop's run began (the
         first membership of a run is not a "change" to recover from).
+      last_step: the run's ``num_steps`` while it trains (None otherwise): a process
+        that (re)starts and is given a step at or past it has nothing to run.
+      over: the step at which such a process found the run over (then it exits with
+        status 0 after this attempt, whatever its outcome).
     """
 
     def __init__(
