@@ -164,9 +164,15 @@ def test_with_a_coordinator_process_trainer_0_may_die_and_come_back(tmp_path):
     # 1; trainer 0 restarted joins them and all three end with one model.
     # Restarted at once: it starts up while the others find it dead and go on.
     steps = 32
-    code, seconds, records, out = launch(
-        tmp_path, "--kill", "0@8", "--restart", "0@8", "--step-time", "0.2", steps=steps
-    )
+    for attempt in range(2):
+        (tmp_path / str(attempt)).mkdir()
+        code, seconds, records, out = launch(
+            tmp_path / str(attempt), *("--kill", "0@8", "--restart", "0@8"), "--step-time", "0.2",
+            steps=steps,
+        )  # fmt: skip
+        if not (GLOO_ABORT in out and "aborted (SIGABRT)" in out):
+            break  # else gloo aborted a survivor (docs/failures.md): once more
+        print("gloo aborted a survivor (known limitation); running it again")
     assert code == 0, out[-3000:]
     assert "serving 3 processes" in out and "leader task" not in out, out[-3000:]
     for p in (1, 2):
