@@ -54,16 +54,14 @@ def average_level(
     :func:`_anchor_in`); the state's ``skipped`` records it.
     """
     group, fragment, is_global = branch
+    parts = averager.parts
     cut = fragment.cut(params) if fragment is not None else _fragments.WHOLE
     p_in, e_in = cut.take(params), cut.take_aligned(extra, params)
     a_in = _anchor_in(averager, state, cut, branch, p_in)
-    x = _outer.delta_of(p_in, a_in) if averager.delta else p_in
+    x = parts.what.send(p_in, a_in)
     (mean_x, mean_e), skipped, state = _mean(averager, (x, e_in), cut, group, state)
-    new_p = _outer.undelta(a_in, mean_x, p_in) if averager.delta else mean_x
-    if is_global and averager.outer_optimizer is not None:
-        new_p, state = _outer.outer_step(
-            averager.outer_optimizer, averager.outer_skip_first, new_p, a_in, state, skipped
-        )
+    new_p = parts.what.receive(mean_x, a_in, p_in)
+    new_p, state = parts.then.apply(new_p, a_in, state, skipped, is_global)
     if skipped is not None:  # a skipped average changes nothing but the step
         new_p, mean_e = _outer.select(skipped, p_in, new_p), _outer.select(skipped, e_in, mean_e)
     if is_global and state.anchor is not None:
@@ -92,8 +90,7 @@ def _anchor_in(averager: Any, state: ModelAveragerState, cut: Any, branch: tuple
         return None
     group, fragment, is_global = branch
     a_in = cut.take(state.anchor)
-    outer = averager.outer_optimizer is not None and not averager.outer_skip_first
-    if not (averager.delta or (is_global and outer)):
+    if not averager.parts.common_anchor(is_global):
         return a_in
     first_step = averager._first_global_step(fragment.k if fragment is not None else 0)
     first = state.step <= min(first_step, jnp.iinfo(jnp.int32).max)
@@ -209,8 +206,8 @@ def _land(params: Any, state: ModelAveragerState) -> Any:
 def alongside(averager: Any, tree: Any, state: ModelAveragerState, strategy: Any = None) -> Any:
     """The plain group mean of ``tree`` on the branch ``state`` takes (no anchor, outer
     optimizer or fragments; the strategy's state is not advanced), sent with
-    ``strategy`` (default: the averager's)."""
-    strategy = averager.communicator if strategy is None else strategy
+    ``strategy`` (default: :func:`strategy_alongside` of the averager's)."""
+    strategy = strategy_alongside(averager.communicator) if strategy is None else strategy
 
     def mean(t, group):
         return comm.apply(strategy, t, group, None, step=state.step).value
@@ -235,10 +232,27 @@ def like_params(
     skip of their own: they are averaged exactly where the params were); a replica whose
     params were left out (``"exclude"``) still contributes finite values.
     """
-    strategy = averager.communicator
+    strategy = strategy_alongside(averager.communicator)
     if isinstance(strategy, comm.FiniteOnly):
         strategy = comm.finite_only("exclude")
     mean = alongside(averager, tree, before, strategy)
     if after.skipped is None:
         return mean
     return _collectives.cast_like(_outer.select(after.skipped, tree, mean), tree)
+
+
+def strategy_alongside(strategy: Any) -> Any:
+    """How values averaged alongside the params (model state) travel: as the params do,
+    except that a quantized strategy sends them in float32 (two-level where it is):
+    they get no error feedback, and block scales would round small entries, such as
+    running variances, to zero; they are small next to the params.
+
+    Example:
+      >>> from lsgd_jax import comm
+      >>> from lsgd_jax._average_call import strategy_alongside
+      >>> strategy_alongside(comm.quantized(4, two_level=True))
+      TwoLevel(inner_axis='local')
+    """
+    if isinstance(strategy, comm.Quantized):
+        return comm.two_level(strategy.inner_axis) if strategy.two_level else comm.flat()
+    return strategy

@@ -101,7 +101,7 @@ def check_state(state: Any, what: str, averager: Any) -> None:
             f"{what}: this state belongs to {state.averager!r}, not to {averager!r}; "
             "use the state that this averager's init() made."
         )
-    missing = (averager.outer_optimizer is not None or averager.delta) and state.anchor is None
+    missing = averager.parts.needs_anchor and state.anchor is None
     if missing or (averager.delay and state.inflight_start is None):
         raise ValueError(
             f"{what}: {type(averager).__name__} with outer_optimizer, delta or delay keeps "
@@ -123,14 +123,10 @@ def initial_state(averager: Any, params: Any = None) -> ModelAveragerState:
             f"{type(averager).__name__} with outer_optimizer, delta or delay needs the "
             "initial params: call averager.init(params)."
         )
-    if averager.outer_optimizer is not None or averager.delta:
+    parts = averager.parts
+    if parts.needs_anchor:
         anchor = jax.tree.map(jnp.asarray, params)
-        state = state.replace(anchor=anchor)
-        if averager.outer_optimizer is not None:
-            state = state.replace(
-                outer_state=averager.outer_optimizer.init(anchor),
-                outer_count=jnp.zeros([], jnp.int32),
-            )
+        state = state.replace(anchor=anchor, **parts.then.init(anchor))
     if averager.sync_schedule.tracks_last_sync:
         state = state.replace(last_sync=jnp.zeros([], jnp.int32))
     if averager.delay:

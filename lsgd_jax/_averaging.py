@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import optax
 
-from lsgd_jax import _average_call, _collectives, _fragments, _validate, comm
+from lsgd_jax import _average_call, _collectives, _fragments, _outer, _validate, comm
 from lsgd_jax._averager_state import ModelAveragerState, check_state, initial_state
 from lsgd_jax._collectives import Group, GroupSpec
 from lsgd_jax._schedule import AdaptiveSchedule, HierarchicalSchedule, PeriodicSchedule
@@ -211,9 +211,43 @@ class _Averager(abc.ABC):
         return _communicator(self)
 
     @property
+    def parts(self) -> _outer.Parts:
+        """The averager as four parts: when (the schedule), what (the params or their
+        change since the anchor), how (the communication strategy) and then (assign the
+        mean, or an outer optimizer's step). The options build them; one average runs
+        them in that order (``_average_call.average_level``).
+
+        Example:
+          >>> import lsgd_jax
+          >>> parts = lsgd_jax.PeriodicModelAverager(4, delta=True).parts
+          >>> parts.what, parts.how, parts.then
+          (SendDelta(), Flat(), Assign())
+        """
+        what = _outer.SendDelta() if self.delta else _outer.SendParams()
+        then: _outer.Assign | _outer.OuterStep = _outer.Assign()
+        if self.outer_optimizer is not None:
+            then = _outer.OuterStep(self.outer_optimizer, self.outer_skip_first)
+        return _outer.Parts(self.sync_schedule, what, self.communicator, then)
+
+    def _identity(self) -> tuple:
+        """What equality compares: the class, the fields that are not spellings of the
+        communication strategy, and the strategy they resolve to (so ``nonfinite="skip"``
+        equals ``communication=comm.finite_only("skip")``)."""
+        spellings = ("nonfinite", "communication_dtype", "communication")
+        fields = [f.name for f in dataclasses.fields(self)]  # type: ignore[arg-type]
+        kept = tuple((n, getattr(self, n)) for n in fields if n not in spellings)
+        return type(self), kept, self.communicator
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Averager) and self._identity() == other._identity()
+
+    def __hash__(self) -> int:
+        return hash(self._identity())
+
+    @property
     def needs_params(self) -> bool:
         """Whether ``init`` needs the params (outer optimizer, delta, delay)."""
-        return self.outer_optimizer is not None or self.delta or bool(self.delay)
+        return self.parts.needs_anchor or bool(self.delay)
 
     @property
     def num_levels(self) -> int:
@@ -396,7 +430,7 @@ def _options() -> dict[str, Any]:
     }
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # equality: _Averager._identity
 class PeriodicModelAverager(_Averager):
     """Averages the model over a group every ``period`` steps after a warm-up.
 
@@ -530,7 +564,7 @@ class PeriodicModelAverager(_Averager):
 PeriodicModelAverager.__doc__ = (PeriodicModelAverager.__doc__ or "").format(options=_OPTIONS_DOC)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # equality: _Averager._identity
 class HierarchicalModelAverager(_Averager):
     """Averages over nested groups, each at its own period (e.g. node, pod, world).
 

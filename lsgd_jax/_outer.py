@@ -1,10 +1,16 @@
-"""Around a global mean: the change since the anchor, and the outer optimizer's step.
+"""Around a mean: what an average sends, and what is done with its result.
 
-The anchor is the params at the last global average (per fragment, with fragments). With
-``delta=True`` an average sends ``params - anchor`` and adds the mean back to the anchor;
-with an outer optimizer (SlowMo, DiLoCo) a global average becomes an optax step from the
-anchor on the pseudo-gradient ``anchor - mean``. Only floating leaves take part: integer
-leaves keep their own values.
+Two of an averager's four parts (when: ``_schedule``; how: ``lsgd_jax.comm``) live here,
+each a small value type:
+
+- what travels: :class:`SendParams` (the params) or :class:`SendDelta` (``delta=True``:
+  ``params - anchor``, added back to the anchor);
+- then: :class:`Assign` (the mean becomes the params) or :class:`OuterStep` (an outer
+  optimizer, SlowMo / DiLoCo: a global average becomes an optax step from the anchor on
+  the pseudo-gradient ``anchor - mean``).
+
+The anchor is the params at the last global average (per fragment, with fragments). Only
+floating leaves take part: integer leaves keep their own values.
 
 Until a fragment's first global average, the replicas' anchors are whatever each was
 given to ``init`` and may differ; an average then works from a common anchor, the
@@ -13,7 +19,8 @@ group's first replica's (:func:`common_anchor`), so that its members agree after
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -134,3 +141,161 @@ def outer_step(
         outer_state = select(skipped, state.outer_state, outer_state)
         count = jnp.where(skipped, state.outer_count, count)
     return stepped, state.replace(outer_state=outer_state, outer_count=count)
+
+
+@dataclasses.dataclass(frozen=True)
+class SendParams:
+    """What an average sends: the params themselves (PyTorch's behaviour).
+
+    Example:
+      >>> from lsgd_jax._outer import SendParams
+      >>> SendParams().send({"w": 2.0}, None)
+      {'w': 2.0}
+    """
+
+    needs_anchor: ClassVar[bool] = False
+
+    def common_anchor(self, is_global: bool) -> bool:
+        """Whether an average at this level must work from a common anchor."""
+        del is_global
+        return False
+
+    def send(self, values: Any, anchor: Any) -> Any:
+        """What travels for ``values``."""
+        del anchor
+        return values
+
+    def receive(self, mean: Any, anchor: Any, values: Any) -> Any:
+        """The averaged values from the mean of what travelled."""
+        del anchor, values
+        return mean
+
+
+@dataclasses.dataclass(frozen=True)
+class SendDelta:
+    """What an average sends: the change since the anchor, ``params - anchor``; the mean
+    is added back to the anchor (``delta=True``), so a narrow wire dtype rounds only the
+    change. Every level works from a common anchor (see :func:`common_anchor`).
+
+    Example:
+      >>> from lsgd_jax._outer import SendDelta
+      >>> SendDelta().send({"w": 2.5}, {"w": 2.0})
+      {'w': 0.5}
+      >>> SendDelta().receive({"w": 1.0}, {"w": 2.0}, {"w": 2.5})
+      {'w': 3.0}
+    """
+
+    needs_anchor: ClassVar[bool] = True
+
+    def common_anchor(self, is_global: bool) -> bool:
+        """Every level works from a common anchor."""
+        del is_global
+        return True
+
+    def send(self, values: Any, anchor: Any) -> Any:
+        """``values - anchor`` (floating leaves)."""
+        return delta_of(values, anchor)
+
+    def receive(self, mean: Any, anchor: Any, values: Any) -> Any:
+        """``anchor + mean`` (floating leaves)."""
+        return undelta(anchor, mean, values)
+
+
+@dataclasses.dataclass(frozen=True)
+class Assign:
+    """Then: the mean becomes the params (PyTorch's behaviour).
+
+    Example:
+      >>> from lsgd_jax._outer import Assign
+      >>> Assign().init({"w": 1.0})
+      {}
+    """
+
+    needs_anchor: ClassVar[bool] = False
+
+    def common_anchor(self, is_global: bool) -> bool:
+        """No anchor is needed."""
+        del is_global
+        return False
+
+    def init(self, anchor: Any) -> dict[str, Any]:
+        """The fields this part keeps in the averager's state."""
+        del anchor
+        return {}
+
+    def apply(
+        self, mean: Any, anchor: Any, state: Any, skipped: Any, is_global: bool
+    ) -> tuple[Any, Any]:
+        """``(new params, state)`` from the averaged params ``mean``."""
+        del anchor, skipped, is_global
+        return mean, state
+
+
+@dataclasses.dataclass(frozen=True)
+class OuterStep:
+    """Then: at a global average, an optax step from the anchor on the pseudo-gradient
+    ``anchor - mean`` (SlowMo; DiLoCo with ``optax.sgd(0.7, momentum=0.9,
+    nesterov=True)``); other levels assign their mean. See :func:`outer_step`.
+
+    Attributes:
+      optimizer: the outer optax transformation.
+      skip_first: the first global average is a plain average that sets the anchor.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from lsgd_jax._outer import OuterStep
+      >>> sorted(OuterStep(optax.sgd(0.7)).init({"w": jnp.ones(2)}))
+      ['outer_count', 'outer_state']
+    """
+
+    optimizer: Any
+    skip_first: bool = True
+    needs_anchor: ClassVar[bool] = True
+
+    def common_anchor(self, is_global: bool) -> bool:
+        """Without ``skip_first`` the first global step starts from the anchor, which
+        must then be common; with it, the first global average is plain."""
+        return is_global and not self.skip_first
+
+    def init(self, anchor: Any) -> dict[str, Any]:
+        """The outer optimizer's state and the count of global averages."""
+        return {
+            "outer_state": self.optimizer.init(anchor),
+            "outer_count": jnp.zeros([], jnp.int32),
+        }
+
+    def apply(
+        self, mean: Any, anchor: Any, state: Any, skipped: Any, is_global: bool
+    ) -> tuple[Any, Any]:
+        """The outer step at a global average; the mean itself at other levels."""
+        if not is_global:
+            return mean, state
+        return outer_step(self.optimizer, self.skip_first, mean, anchor, state, skipped)
+
+
+class Parts(NamedTuple):
+    """An averager as four parts: when, what, how and then.
+
+    Attributes:
+      when: the schedule (``PeriodicSchedule``, ``HierarchicalSchedule`` or
+        ``AdaptiveSchedule``): which calls average, which fragment, and the delay.
+      what: :class:`SendParams` or :class:`SendDelta`.
+      how: the communication strategy (``lsgd_jax.comm``), with its non-finite policy
+        and its own per-replica state.
+      then: :class:`Assign` or :class:`OuterStep`.
+    """
+
+    when: Any
+    what: SendParams | SendDelta
+    how: Any
+    then: Assign | OuterStep
+
+    @property
+    def needs_anchor(self) -> bool:
+        """Whether the state keeps an anchor (the params at the last global average)."""
+        return self.what.needs_anchor or self.then.needs_anchor
+
+    def common_anchor(self, is_global: bool) -> bool:
+        """Whether an average at this level works from a common anchor until its
+        fragment's first global average."""
+        return self.what.common_anchor(is_global) or self.then.common_anchor(is_global)

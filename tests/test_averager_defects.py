@@ -418,3 +418,53 @@ def test_bf16_communication_keeps_adams_second_moments():
     assert (nu > 0).all()
     np.testing.assert_allclose(nu, exact_nu, rtol=2e-2)
     assert change < 1.05 * exact_change < 1.1
+
+
+# --- model state with quantized averages ---------------------------------------------------
+
+
+@pytest.mark.parametrize("two_level", [False, True])
+def test_model_state_travels_in_float32_when_the_params_travel_quantized(two_level):
+    """Model state (running variances: entries from 1 down to 1e-8) gets no error
+    feedback: in the quantized buffer a block's scale would round its small entries to
+    0. It is averaged exactly, in float32, where the params average."""
+    averager = lsgd_jax.PeriodicModelAverager(
+        2, communication=comm.quantized(8, two_level=two_level, error_feedback=False)
+    )
+    mesh = mesh_2x4()
+    # 1 ... 1e-8, each block of 64 values spanning them (enough values to be quantized)
+    scales = np.tile(10.0 ** -np.arange(8, dtype=np.float32), 128)[None, :]
+    tree = (1.0 + RANK[:, None]) * scales  # replica r: (r + 1) * scales
+
+    f = smap(
+        lambda t, s: unsqueeze(averager.average_alongside(squeeze(t), s)),
+        mesh,
+        (DATA, P()),
+        DATA,
+    )
+    got = np.array(f(put(tree, mesh, DATA), put(averager.init(), mesh, P())))
+    want = tree.mean(0)
+    assert (got != 0).all(), got
+    np.testing.assert_allclose(got, np.broadcast_to(want, got.shape), rtol=1e-6)
+
+
+def test_averagers_built_alike_are_equal_however_their_strategy_is_spelled():
+    """Issue 17: configuration compared by value; a state from one spelling is accepted
+    by the other."""
+    P4 = lsgd_jax.PeriodicModelAverager
+    pairs = [
+        (P4(4), P4(4, communication=comm.flat())),
+        (P4(4, nonfinite="skip"), P4(4, communication=comm.finite_only("skip"))),
+        (P4(4, communication_dtype=jnp.bfloat16), P4(4, communication=comm.compressed())),
+        (P4(4, communication=comm.quantized(4)), P4(4, communication=comm.quantized(4))),
+        (
+            lsgd_jax.HierarchicalModelAverager({2: "local", 4: GLOBAL}, delta=True),
+            lsgd_jax.HierarchicalModelAverager({2: "local", 4: GLOBAL}, delta=True),
+        ),
+    ]
+    for a, b in pairs:
+        assert a == b and hash(a) == hash(b), (a, b)
+        state = a.init({"w": jnp.zeros(2)})
+        assert jax.tree.structure(state) == jax.tree.structure(b.init({"w": jnp.zeros(2)}))
+    assert P4(4) != P4(8) and P4(4) != P4(4, delta=True) and P4(4) != P4(4, nonfinite="skip")
+    assert P4(4).parts.then == lsgd_jax.PeriodicModelAverager(4, delay=1).parts.then
