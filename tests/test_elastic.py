@@ -252,6 +252,22 @@ def test_a_process_started_without_a_coordinator_fails_clearly(tmp_path):
     assert time.monotonic() - t0 < 30
 
 
+def test_a_trainer_started_without_its_coordinator_process_fails_clearly():
+    from multiprocess import free_port
+
+    code = (
+        "import lsgd_jax.elastic as e\n"
+        f"e.initialize('127.0.0.1:{free_port()}', 2, 0, initialization_timeout_s=2,\n"
+        "             external_coordinator=True)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=worker_env(), timeout=60
+    )
+    assert proc.returncode == 1
+    assert "CoordinatorLostError" in proc.stderr, proc.stderr[-2000:]
+    assert "the coordinator process (python -m lsgd_jax.elastic_coordinator) is gone" in proc.stderr
+
+
 def test_a_run_goes_on_from_a_given_state_exactly(tmp_path):
     # One process: run 5 steps, then steps 5..11 from that state, against 12 in one go.
     from multiprocess import free_port
