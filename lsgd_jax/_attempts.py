@@ -244,7 +244,7 @@ class Attempts:
             layout = _membership.layout_for(view)
         if changed or self.given is not None:
             state, step = self._adopt(state, step, view, layout, changed)
-        if self.view is None and self.last_step is not None and step >= self.last_step:
+        if _membership.newcomer() and self.last_step is not None and step >= self.last_step:
             # A (re)started process met the survivors after their last step (they are
             # at their consensus): it was healed with them, but has no step to run.
             self.over = step
@@ -283,6 +283,7 @@ class Attempts:
                 sorted(view.joining) or "none",
             )
         self.view, self.layout, self.given = view, layout, None
+        _membership.note_committed()
         return out, step, changed
 
     def retrying(self, label: str, state, step: int, work: Callable[..., Any]):

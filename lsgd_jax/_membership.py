@@ -42,18 +42,31 @@ class RunOver(SystemExit):
     status 0 (a ``SystemExit``), after one line saying so."""
 
 
-_EXTERNAL = {"coordinator": False}
+# This process's part in the job: whether the coordination service runs elsewhere, and
+# whether an attempt of any loop of this process committed (it is no newcomer).
+_PROCESS = {"external_coordinator": False, "committed": False}
 
 
 def set_external_coordinator(value: bool) -> None:
     """Records whether the coordination service runs in a process of its own."""
-    _EXTERNAL["coordinator"] = bool(value)
+    _PROCESS["external_coordinator"] = bool(value)
 
 
 def external_coordinator() -> bool:
     """Whether the coordination service runs in a process of its own (then process 0 is
     a trainer like any other)."""
-    return _EXTERNAL["coordinator"]
+    return _PROCESS["external_coordinator"]
+
+
+def note_committed() -> None:
+    """Records that an attempt of this process committed: it is part of the run (a new
+    loop it builds, e.g. to go on from a result, is not a newcomer)."""
+    _PROCESS["committed"] = True
+
+
+def newcomer() -> bool:
+    """Whether no attempt of this process committed yet (it (re)started)."""
+    return not _PROCESS["committed"]
 
 
 FINISHED = f"{PREFIX}/finished"

@@ -561,7 +561,7 @@ class ElasticLoop:
         step: int = first_step
         records: list[StepRecord] = []
         attempts.records_started, attempts.last_step = False, num_steps
-        end = _membership.finished_step() if attempts.view is None else None
+        end = _membership.finished_step() if _membership.newcomer() else None
         if end is not None and end >= num_steps:  # (re)started after the run was over
             raise _membership.run_over(jax.process_index(), end)
         while step < num_steps:
