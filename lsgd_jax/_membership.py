@@ -299,6 +299,8 @@ class Membership:
         c = client()
         key = _key(members)
         latest = _latest(c)
+        if latest is not None and latest.members == members:
+            return latest  # unchanged (the usual step): one read of the store
         lead = leader(members, latest)
         if lead is None:
             end = finished_step()
@@ -310,7 +312,7 @@ class Membership:
                 f"{latest.processes if latest else ()}); the run cannot go on. Restart the "
                 "job (from a checkpoint)."
             )
-        if me == lead and (latest is None or latest.members != members):
+        if me == lead:
             if latest is not None:
                 # The old record goes first: if that membership comes back later, its
                 # readers wait for the new record instead of reading a stale epoch.
