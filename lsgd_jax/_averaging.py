@@ -162,8 +162,8 @@ def _check_options(self: Any) -> None:
     _communicator(self)
 
 
-class _Averager(abc.ABC):
-    """What both averagers share: options, state, and the public calls.
+class _AveragerConfig(abc.ABC):
+    """An averager's configuration: its parts, groups and schedule, compared by value.
 
     A subclass gives the schedule (``sync_schedule``), the groups, and how each level
     resolves to a group (and fragment) where it runs.
@@ -284,6 +284,10 @@ class _Averager(abc.ABC):
           [0, 1, 0, 0, 1, 0, 0, 1]
         """
         return self.sync_schedule.replay(num_steps)
+
+
+class _Averager(_AveragerConfig):
+    """What both averagers share: the configuration, the state, and the public calls."""
 
     def init(self, params: Any = None) -> ModelAveragerState:
         """Returns the initial state: ``step == 0`` (and the anchor, where needed).

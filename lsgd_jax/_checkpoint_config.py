@@ -53,77 +53,105 @@ def _stable(value: Any) -> str:
     that ``optax.sgd(0.7)`` and ``optax.sgd(0.5)`` differ while two ``optax.sgd(0.7)``
     agree; memory addresses never appear; arrays are described by shape and dtype only.
     """
-    budget = [_NODES]
+    return _Describer().describe(value, _FUNCTION_DEPTH, False) or "…"
 
-    def items(xs: Any, depth: int, closure: bool) -> str:
+
+class _Describer:
+    """One description's walk, with its budget of values (``_NODES``)."""
+
+    def __init__(self) -> None:
+        self.budget = _NODES
+
+    def items(self, xs: Any, depth: int, closure: bool) -> str:
         xs = list(xs)
-        parts = [describe(x, depth, closure) or "…" for x in xs[:_ITEMS]]
+        parts = [self.describe(x, depth, closure) or "…" for x in xs[:_ITEMS]]
         if len(xs) > _ITEMS:
             parts.append(f"… {len(xs) - _ITEMS} more")
         return ", ".join(parts)
 
-    def describe(x: Any, depth: int, closure: bool) -> str | None:
+    def describe(self, x: Any, depth: int, closure: bool) -> str | None:
         """None: ``x`` is no simple value, and ``closure`` asks to leave it out."""
-        budget[0] -= 1
-        if budget[0] < 0:
+        self.budget -= 1
+        if self.budget < 0:
             return "…"
-        if x is None or isinstance(x, (bool, int, float, complex, str, bytes)):
-            shown = repr(x)
-            return shown if len(shown) <= _TEXT else shown[:_TEXT] + "…"
-        if isinstance(x, np.generic):
-            return repr(x.item())
-        if isinstance(x, np.dtype):
-            return f"dtype({x})"
-        if isinstance(x, type):
-            return _qualname(x)
+        simple = _simple(x)
+        if simple is not None:
+            return simple
         if isinstance(x, tuple):
             fields = getattr(type(x), "_fields", None)
             if fields is not None:  # a NamedTuple, e.g. an optax GradientTransformation
-                parts = (f"{k}={describe(v, depth, closure) or '…'}" for k, v in zip(fields, x))
+                parts = (
+                    f"{k}={self.describe(v, depth, closure) or '…'}" for k, v in zip(fields, x)
+                )
                 return f"{type(x).__qualname__}({', '.join(parts)})"
-            return f"({items(x, depth, closure)}{',' if len(x) == 1 else ''})"
+            return f"({self.items(x, depth, closure)}{',' if len(x) == 1 else ''})"
         if isinstance(x, functools.partial):
-            inner = [describe(x.func, depth, closure) or "…", items(x.args, depth, closure)]
-            inner += [f"{k}={describe(v, depth, closure) or '…'}" for k, v in x.keywords.items()]
+            inner = [
+                self.describe(x.func, depth, closure) or "…",
+                self.items(x.args, depth, closure),
+            ]
+            inner += [
+                f"{k}={self.describe(v, depth, closure) or '…'}" for k, v in x.keywords.items()
+            ]
             return f"partial({', '.join(p for p in inner if p)})"
         if isinstance(x, types.FunctionType):
-            name = _qualname(x)
-            if depth <= 0:
-                return name
-            cells = []
-            for var, cell in zip(x.__code__.co_freevars, x.__closure__ or ()):
-                try:
-                    content = cell.cell_contents
-                except ValueError:  # an empty cell
-                    continue
-                text = describe(content, depth - 1, True)
-                if text is not None:
-                    cells.append(f"{var}={text}")
-            return f"{name}[{', '.join(cells)}]" if cells else name
+            return self.function(x, depth)
         if callable(x) and hasattr(x, "__qualname__"):  # builtins, jitted functions
             return _qualname(x)
         if closure:
             return None
+        return self.container(x, depth, closure)
+
+    def function(self, x: types.FunctionType, depth: int) -> str:
+        """Its name, and the simple values its closure holds."""
+        name = _qualname(x)
+        if depth <= 0:
+            return name
+        cells = []
+        for var, cell in zip(x.__code__.co_freevars, x.__closure__ or ()):
+            try:
+                content = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            text = self.describe(content, depth - 1, True)
+            if text is not None:
+                cells.append(f"{var}={text}")
+        return f"{name}[{', '.join(cells)}]" if cells else name
+
+    def container(self, x: Any, depth: int, closure: bool) -> str:
+        """Arrays by shape and dtype; lists, mappings and dataclasses item by item."""
         if isinstance(x, (np.ndarray, jax.Array)):
             return f"array{list(x.shape)}:{x.dtype}"
         if isinstance(x, list):
-            return f"[{items(x, depth, closure)}]"
+            return f"[{self.items(x, depth, closure)}]"
         if isinstance(x, Mapping):
             pairs = [
-                f"{describe(k, depth, closure)}: {describe(v, depth, closure)}"
+                f"{self.describe(k, depth, closure)}: {self.describe(v, depth, closure)}"
                 for k, v in x.items()
             ]
             return "{" + ", ".join(pairs[:_ITEMS]) + (", …" if len(pairs) > _ITEMS else "") + "}"
         if dataclasses.is_dataclass(x):
             parts = (
-                f"{f.name}={describe(getattr(x, f.name), depth, closure)}"
+                f"{f.name}={self.describe(getattr(x, f.name), depth, closure)}"
                 for f in dataclasses.fields(x)
             )
             return f"{type(x).__qualname__}({', '.join(parts)})"
         text = strip_addresses(repr(x))
         return text if len(text) <= _TEXT else text[:_TEXT] + "…"
 
-    return describe(value, _FUNCTION_DEPTH, False) or "…"
+
+def _simple(x: Any) -> str | None:
+    """The description of a number, string, None, NumPy scalar, dtype or type; else None."""
+    if x is None or isinstance(x, (bool, int, float, complex, str, bytes)):
+        shown = repr(x)
+        return shown if len(shown) <= _TEXT else shown[:_TEXT] + "…"
+    if isinstance(x, np.generic):
+        return repr(x.item())
+    if isinstance(x, np.dtype):
+        return f"dtype({x})"
+    if isinstance(x, type):
+        return _qualname(x)
+    return None
 
 
 def _is_static_node(x: Any) -> bool:

@@ -8,6 +8,7 @@ are in ``_step_inputs``.
 
 from __future__ import annotations
 
+import abc
 import collections
 import time
 import warnings
@@ -212,7 +213,75 @@ def data_parallel_step(
     )
 
 
-class DataParallelStep:
+class _AheadOfTime(abc.ABC):
+    """What a step will run, known before it runs: the programs of the next calls,
+    replayed from the step counters, compiled ahead (a part of DataParallelStep)."""
+
+    _plan: PhasePlan
+    _compiled: dict[tuple, Any]
+
+    @abc.abstractmethod
+    def jit_args(self, *args: Any) -> tuple[Any, Any, Any, Any]:
+        """``(params, model_state, opt_state, batch)`` from the step's own arguments."""
+
+    @abc.abstractmethod
+    def _program(self, mode: int | str) -> Any:
+        """The jitted program of ``mode``."""
+
+    def compile(self, *args: Any, num_steps: int) -> dict[int | str, float]:
+        """Compiles, without running, the programs of the next ``num_steps`` calls.
+
+        With one program per phase, each phase compiles when it first occurs, which
+        stalls that step; a timed or latency-sensitive run calls this first, so that
+        no step compiles. Nothing is donated or changed.
+
+        Args:
+          *args: the step's own arguments, e.g. ``(params, opt_state, batch)``, as
+            the first of those calls will get them.
+          num_steps: how many calls to plan for (their phases are replayed from the
+            state's counters).
+
+        Returns:
+          ``{program: seconds}`` for each program compiled now (a phase index, or
+          ``"switch"`` / ``"cond"``); programs compiled before are left out.
+
+        Example:
+          >>> import jax.numpy as jnp, optax, lsgd_jax
+          >>> mesh = lsgd_jax.make_mesh(2, 4)
+          >>> tx = optax.chain(lsgd_jax.post_local_sgd(2), optax.sgd(0.1),
+          ...     lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(2, warmup_steps=2)))
+          >>> step = lsgd_jax.data_parallel_step(lambda p, b: jnp.mean((b @ p) ** 2), tx, mesh)
+          >>> p = lsgd_jax.replicate(jnp.zeros(3), mesh)
+          >>> s = lsgd_jax.replicate(tx.init(jnp.zeros(3)), mesh)
+          >>> sorted(step.compile(p, s, jnp.ones((8, 3)), num_steps=6))  # phases 2, 1, 0
+          [0, 1, 2]
+        """
+        seconds: dict[int | str, float] = {}
+        jit_args = self.jit_args(*args)
+        for mode in dict.fromkeys(self.plan_of(*args, num_steps=num_steps)):
+            key = (mode, _signature(jit_args))
+            if key not in self._compiled:
+                start = time.perf_counter()
+                self._compiled[key] = self._program(mode).lower(*jit_args).compile()
+                seconds[mode] = time.perf_counter() - start
+        return seconds
+
+    def plan_of(self, *args: Any, num_steps: int) -> list[int | str]:
+        """The program (phase index, or ``"switch"`` / ``"cond"``) each of the next
+        ``num_steps`` calls from these arguments runs, replayed from the step counters."""
+        num_steps = _validate.positive_int(num_steps, "num_steps")
+        return self._plan.replay(self.jit_args(*args)[2], num_steps)
+
+    def programs_of(self, *args: Any, num_steps: int) -> list[tuple[int | str, Any]]:
+        """``(program, jax.stages.Compiled)`` for each program of the next ``num_steps``
+        calls, in the order they first occur, compiled where needed (see :meth:`compile`)."""
+        self.compile(*args, num_steps=num_steps)
+        signature = _signature(self.jit_args(*args))
+        modes = dict.fromkeys(self.plan_of(*args, num_steps=num_steps))
+        return [(k, self._compiled[k, signature]) for k in modes]
+
+
+class DataParallelStep(_AheadOfTime):
     """The training step that :func:`data_parallel_step` builds.
 
     Call it as ``step(params, opt_state, batch)`` (or ``step(params, model_state,
@@ -285,58 +354,6 @@ class DataParallelStep:
             return args
         params, opt_state, batch = args
         return params, None, opt_state, batch
-
-    def compile(self, *args: Any, num_steps: int) -> dict[int | str, float]:
-        """Compiles, without running, the programs of the next ``num_steps`` calls.
-
-        With one program per phase, each phase compiles when it first occurs, which
-        stalls that step; a timed or latency-sensitive run calls this first, so that
-        no step compiles. Nothing is donated or changed.
-
-        Args:
-          *args: the step's own arguments, e.g. ``(params, opt_state, batch)``, as
-            the first of those calls will get them.
-          num_steps: how many calls to plan for (their phases are replayed from the
-            state's counters).
-
-        Returns:
-          ``{program: seconds}`` for each program compiled now (a phase index, or
-          ``"switch"`` / ``"cond"``); programs compiled before are left out.
-
-        Example:
-          >>> import jax.numpy as jnp, optax, lsgd_jax
-          >>> mesh = lsgd_jax.make_mesh(2, 4)
-          >>> tx = optax.chain(lsgd_jax.post_local_sgd(2), optax.sgd(0.1),
-          ...     lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(2, warmup_steps=2)))
-          >>> step = lsgd_jax.data_parallel_step(lambda p, b: jnp.mean((b @ p) ** 2), tx, mesh)
-          >>> p = lsgd_jax.replicate(jnp.zeros(3), mesh)
-          >>> s = lsgd_jax.replicate(tx.init(jnp.zeros(3)), mesh)
-          >>> sorted(step.compile(p, s, jnp.ones((8, 3)), num_steps=6))  # phases 2, 1, 0
-          [0, 1, 2]
-        """
-        seconds: dict[int | str, float] = {}
-        jit_args = self.jit_args(*args)
-        for mode in dict.fromkeys(self.plan_of(*args, num_steps=num_steps)):
-            key = (mode, _signature(jit_args))
-            if key not in self._compiled:
-                start = time.perf_counter()
-                self._compiled[key] = self._program(mode).lower(*jit_args).compile()
-                seconds[mode] = time.perf_counter() - start
-        return seconds
-
-    def plan_of(self, *args: Any, num_steps: int) -> list[int | str]:
-        """The program (phase index, or ``"switch"`` / ``"cond"``) each of the next
-        ``num_steps`` calls from these arguments runs, replayed from the step counters."""
-        num_steps = _validate.positive_int(num_steps, "num_steps")
-        return self._plan.replay(self.jit_args(*args)[2], num_steps)
-
-    def programs_of(self, *args: Any, num_steps: int) -> list[tuple[int | str, Any]]:
-        """``(program, jax.stages.Compiled)`` for each program of the next ``num_steps``
-        calls, in the order they first occur, compiled where needed (see :meth:`compile`)."""
-        self.compile(*args, num_steps=num_steps)
-        signature = _signature(self.jit_args(*args))
-        modes = dict.fromkeys(self.plan_of(*args, num_steps=num_steps))
-        return [(k, self._compiled[k, signature]) for k in modes]
 
     def _check(self, params: Any, model_state: Any, opt_state: Any) -> None:
         spec, n = self._spec, self._replicas
