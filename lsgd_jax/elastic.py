@@ -183,7 +183,7 @@ def initialize(
         local_device_ids=local_device_ids,
         heartbeat_timeout_seconds=heartbeat_timeout_s,
         initialization_timeout=initialization_timeout_s,
-        # Process 0's own service, unused when the job's runs elsewhere: any free port.
+        # Process 0's own service, unused when the job's service runs elsewhere: any free port.
         coordinator_bind_address="127.0.0.1:0" if external_coordinator else None,
     )
     _membership.set_external_coordinator(external_coordinator)
