@@ -196,6 +196,29 @@ def test_with_a_coordinator_process_trainer_0_may_die_and_come_back(tmp_path):
     assert recovery < 30, recovery
 
 
+def test_after_trainer_0_came_back_process_1_may_die_too(tmp_path):
+    # 0 dies and is restarted; then 1 dies: that change is led by process 2 (0 was
+    # joining in the last recorded membership, so it does not hold the model by the
+    # record yet), and 0 and 2 finish with one model.
+    steps = 26
+    for attempt in range(2):
+        (tmp_path / str(attempt)).mkdir()
+        code, seconds, records, out = launch(
+            tmp_path / str(attempt), *("--kill", "0@6", "--restart", "0@6", "--kill", "1@14"),
+            "--step-time", "0.2", steps=steps,
+        )  # fmt: skip
+        if not (GLOO_ABORT in out and "aborted (SIGABRT)" in out):
+            break  # else gloo aborted a survivor (docs/failures.md): once more
+        print("gloo aborted a survivor (known limitation); running it again")
+    assert code == 0, out[-3000:]
+    assert steps_of(records, 2) == list(range(steps))
+    assert steps_of(records, 0)[-1] == steps - 1 and len(steps_of(records, 1)) <= 15
+    last = [r for r in records if r.get("step") == steps - 1]
+    assert all(sorted(r["live_processes"]) == [0, 2] for r in last), last
+    fin = finals(records)
+    assert sorted(fin) == [0, 2] and len({f["consensus_sha256"] for f in fin.values()}) == 1
+
+
 def test_a_process_that_arrives_after_the_run_is_over_exits_0_with_one_line(tmp_path):
     # --late 1: the launcher starts process 1 again once every process finished; the
     # coordinator process still runs, so it learns the run is over.
