@@ -94,6 +94,16 @@ class PhasePlan:
             self._phases = _phase.replay_phases(self._snapshot, 2 * len(self._phases))
         return int(self._phases[self._position])
 
+    def coming(self, num_calls: int) -> list[int]:
+        """The phases of the next ``num_calls`` calls after the last one planned, in the
+        order they first occur (none when calls run a fixed program)."""
+        if self._snapshot is None:
+            return []
+        end = self._position + num_calls
+        if end > len(self._phases):
+            self._phases = _phase.replay_phases(self._snapshot, max(end, 2 * len(self._phases)))
+        return list(dict.fromkeys(int(k) for k in self._phases[self._position : end]))
+
     def replay(self, opt_state: Any, num_steps: int) -> list[int | str]:
         """The program of each of the next ``num_steps`` calls from ``opt_state`` (the
         plan itself is left as it is)."""

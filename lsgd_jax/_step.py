@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import collections
+import concurrent.futures
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -43,6 +44,7 @@ def data_parallel_step(
     specialize: bool | str = True,
     lowering: str = "shard_map",
     overlap: bool | None = None,
+    compile_ahead: int = 4,
 ) -> DataParallelStep:
     """A jitted, donated ``shard_map`` training step over per-replica params and state.
 
@@ -142,6 +144,11 @@ def data_parallel_step(
         docs/performance.md). Every step now returns complete state: a delayed
         average's mean is taken inside the step that starts it and kept in the
         averager's state until it lands. ``True`` warns.
+      compile_ahead: with one program per phase, look this many calls ahead and compile
+        the programs of phases still to come on a background thread while the steps
+        run, so that a new phase does not stall its first step to compile (it waits
+        only for what is left of that compile). 0: each phase compiles when it first
+        occurs. :meth:`DataParallelStep.compile` compiles them all up front instead.
       check_in_sync_every: on the first call and then every this many calls, run
         :func:`assert_replicas_in_sync` on the incoming optimizer state, so that replicas
         or processes whose step counters differ fail with an error instead of hanging
@@ -210,6 +217,7 @@ def data_parallel_step(
         check_in_sync_every=_validate.optional_positive_int(
             check_in_sync_every, "data_parallel_step: check_in_sync_every"
         ),
+        compile_ahead=_validate.nonnegative_int(compile_ahead, "data_parallel_step: compile_ahead"),
     )
 
 
@@ -219,6 +227,9 @@ class _AheadOfTime(abc.ABC):
 
     _plan: PhasePlan
     _compiled: dict[tuple, Any]
+    _started: set[int | str]  # programs run, or compiling in the background
+    _compiling: dict[int | str, concurrent.futures.Future]
+    _executor: concurrent.futures.ThreadPoolExecutor | None
 
     @abc.abstractmethod
     def jit_args(self, *args: Any) -> tuple[Any, Any, Any, Any]:
@@ -227,6 +238,32 @@ class _AheadOfTime(abc.ABC):
     @abc.abstractmethod
     def _program(self, mode: int | str) -> Any:
         """The jitted program of ``mode``."""
+
+    def _compile_coming(self, jit_args: tuple, modes: list[int]) -> None:
+        """Starts compiling, on a thread of its own, the programs of ``modes`` that no
+        call has run and no compile has started, for arguments shaped like
+        ``jit_args``: a phase's first call then finds its program compiled (or waits
+        for the compile already under way) instead of stalling to compile it."""
+        new = [m for m in modes if m not in self._started]
+        if not new:
+            return
+        abstract = jax.tree.map(_abstract, jit_args)
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="lsgd_jax-compile"
+            )
+        for mode in new:
+            self._started.add(mode)
+            program = self._program(mode)  # made here: the cache is the main thread's
+            self._compiling[mode] = self._executor.submit(_compile, program, abstract)
+
+    def _wait_for_compile(self, mode: int | str) -> None:
+        """Before a call runs ``mode``: waits for its compile, if one is under way (a
+        failed one is left to the call, which compiles again and raises)."""
+        self._started.add(mode)
+        future = self._compiling.pop(mode, None)
+        if future is not None:
+            concurrent.futures.wait([future])
 
     def compile(self, *args: Any, num_steps: int) -> dict[int | str, float]:
         """Compiles, without running, the programs of the next ``num_steps`` calls.
@@ -313,6 +350,7 @@ class DataParallelStep(_AheadOfTime):
         specialize: bool | str,
         max_in_flight: int | None,
         check_in_sync_every: int | None,
+        compile_ahead: int = 0,
     ) -> None:
         self._spec = spec
         self._mesh_processes = len({d.process_index for d in spec.mesh.devices.flat})
@@ -324,6 +362,10 @@ class DataParallelStep(_AheadOfTime):
         self._check_in_sync_every = check_in_sync_every
         self._programs: dict[int | str, Any] = {}
         self._compiled: dict[tuple, Any] = {}  # (program, signature) -> jax.stages.Compiled
+        self._compile_ahead = compile_ahead
+        self._started: set[int | str] = set()
+        self._compiling: dict[int | str, concurrent.futures.Future] = {}
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._plan = PhasePlan(specialize)
         self._in_flight: collections.deque = collections.deque()
         self._unchecked: collections.deque = collections.deque()
@@ -372,12 +414,16 @@ class DataParallelStep(_AheadOfTime):
             self._check(params, model_state, opt_state)
         _step_inputs.check_batch(batch, self._replicas, self._spec.axes, self._mesh_processes)
         mode = self._plan.mode(opt_state)
+        self._wait_for_compile(mode)
         params, model_state, opt_state, loss, aux, ok = self._program(mode)(
             params, model_state, opt_state, batch
         )
         self._outputs = _step_inputs.Identity(params, model_state, opt_state)
         if isinstance(mode, int):
             self._plan.advance(opt_state)  # the next call with it continues the plan
+            if self._compile_ahead:
+                coming = self._plan.coming(self._compile_ahead)
+                self._compile_coming((params, model_state, opt_state, batch), coming)
             self._unchecked.append((self._calls, mode, ok))
             if len(self._unchecked) >= 2 * self._CHECK_LAG:  # the older half, at once
                 for _ in range(self._CHECK_LAG):
@@ -437,3 +483,17 @@ def _signature(jit_args: tuple) -> tuple:
     """What a compiled program is specific to: the arguments' structure, shapes and dtypes."""
     leaves, treedef = jax.tree.flatten(jit_args)
     return treedef, tuple((np.shape(x), str(getattr(x, "dtype", type(x)))) for x in leaves)
+
+
+def _abstract(x: Any) -> jax.ShapeDtypeStruct:
+    """``x``'s shape, dtype, weak type and (for a jax.Array) sharding."""
+    if isinstance(x, jax.Array):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type)
+    x = np.asarray(x)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def _compile(program: Any, abstract: tuple) -> Any:
+    """``program`` compiled for arguments shaped like ``abstract`` (jax's caches keep it
+    for the call that comes with real arguments of those shapes)."""
+    return program.lower(*abstract).compile()

@@ -111,7 +111,7 @@ def test_the_switch_falls_back_to_the_conds_past_max_phases(reference, monkeypat
 def test_one_program_per_phase_compiled_when_the_phase_first_occurs():
     mesh = mesh_2x4()
     tx = make_tx()  # hook 2 phases x averager 2: global grads until 3, averages 3, 6, 9
-    step = lsgd_jax.data_parallel_step(loss_fn, tx, mesh)
+    step = lsgd_jax.data_parallel_step(loss_fn, tx, mesh, compile_ahead=0)
     p, s = lsgd_jax.replicate(init_params(), mesh), lsgd_jax.replicate(tx.init(init_params()), mesh)
     seen = []
     for b in batches(5):
@@ -212,3 +212,47 @@ def test_compile_ahead_leaves_no_compilation_to_the_steps():
     finally:
         jax.monitoring.clear_event_listeners()
     assert compiles == []
+
+
+@pytest.mark.parametrize("ahead", [4, 0])
+def test_coming_phases_compile_in_the_background(ahead):
+    """Issue 17: with compile_ahead (default 4) the programs of phases still to come are
+    compiled on a background thread while the steps run; only the first phase compiles
+    on the caller's thread. With 0, each phase compiles on the caller's thread."""
+    import threading
+
+    mesh = mesh_2x4()
+    tx = make_tx()  # phases 2, 2, 2, 1, 0: global grads until 3, then local + averages
+    step = lsgd_jax.data_parallel_step(loss_fn, tx, mesh, compile_ahead=ahead)
+    p, s = lsgd_jax.replicate(init_params(), mesh), lsgd_jax.replicate(tx.init(init_params()), mesh)
+    where = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: where.append(threading.current_thread().name)
+        if "backend_compile" in name
+        else None
+    )
+    try:
+        out = []
+        for b in batches(5):
+            p, s, loss = step(p, s, b)
+            out.append(float(loss))
+    finally:
+        jax.monitoring.clear_event_listeners()
+    background = [w for w in where if w.startswith("lsgd_jax-compile")]
+    if ahead:
+        assert len(background) == 2 and where.count(threading.current_thread().name) == 1
+    else:
+        assert background == [] and len(where) == 3
+    # the same numbers either way
+    step0 = lsgd_jax.data_parallel_step(loss_fn, tx, mesh, compile_ahead=0)
+    p, s = lsgd_jax.replicate(init_params(), mesh), lsgd_jax.replicate(tx.init(init_params()), mesh)
+    want = []
+    for b in batches(5):
+        p, s, loss = step0(p, s, b)
+        want.append(float(loss))
+    assert out == want
+
+
+def test_compile_ahead_is_checked():
+    with pytest.raises(ValueError, match="compile_ahead"):
+        lsgd_jax.data_parallel_step(loss_fn, make_tx(), mesh_2x4(), compile_ahead=-1)
