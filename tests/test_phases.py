@@ -227,9 +227,9 @@ def test_coming_phases_compile_in_the_background(ahead):
     p, s = lsgd_jax.replicate(init_params(), mesh), lsgd_jax.replicate(tx.init(init_params()), mesh)
     where = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda name, secs, **kw: where.append(threading.current_thread().name)
-        if "backend_compile" in name
-        else None
+        lambda name, secs, **kw: (
+            where.append(threading.current_thread().name) if "backend_compile" in name else None
+        )
     )
     try:
         out = []
