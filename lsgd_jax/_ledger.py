@@ -127,7 +127,7 @@ def communication_ledger(
 
     Compiles (without running) the programs ``step`` will run for its next
     ``num_steps`` calls from these arguments, the same ones those calls then use
-    (:meth:`DataParallelStep.compile`), reads each one's collectives, and charges
+    (``step.compile``), reads each one's collectives, and charges
     every step the bytes of its phase (replayed from the step counters). A collective
     crosses nodes when its groups span a mesh axis other than ``inner_axes``.
 

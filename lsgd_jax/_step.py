@@ -148,7 +148,7 @@ def data_parallel_step(
         the programs of phases still to come on a background thread while the steps
         run, so that a new phase does not stall its first step to compile (it waits
         only for what is left of that compile). 0: each phase compiles when it first
-        occurs. :meth:`DataParallelStep.compile` compiles them all up front instead.
+        occurs. ``step.compile(..., num_steps=N)`` compiles them all up front instead.
       check_in_sync_every: on the first call and then every this many calls, run
         :func:`assert_replicas_in_sync` on the incoming optimizer state, so that replicas
         or processes whose step counters differ fail with an error instead of hanging

@@ -131,7 +131,8 @@ def initialize(
       None.
 
     Raises:
-      ValueError / TypeError: a bad argument (checked before any JAX or network work).
+      ValueError: a bad argument value (checked before any JAX or network work).
+      TypeError: an argument of the wrong type (checked likewise).
       RuntimeError: JAX's backend is already running.
       CoordinatorLostError: no coordination service at the address after
         ``initialization_timeout_s`` (process 0 is gone or not started).
