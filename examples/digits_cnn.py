@@ -66,8 +66,12 @@ CROSS_NODE = ("node", "local")
 
 def crossing_nodes(report: Any) -> Any:
     """The collectives of ``report`` whose groups span nodes: over both axes, or over
-    ``"node"`` alone (a two-level mean's step between nodes)."""
-    return report.__class__(c for c in report if "node" in c.axes)
+    ``"node"`` alone (a two-level mean's step between nodes); not the one-time copy of a
+    common anchor before the first global average (``delta``), which this per-branch
+    accounting would otherwise charge at every average."""
+    return report.__class__(
+        c for c in report if "node" in c.axes and "common_anchor" not in c.scope
+    )
 
 
 def setup_cpu_devices(n: int = 8) -> None:

@@ -58,7 +58,11 @@ class PhaseBytes:
 
     @classmethod
     def of(cls, report: CommunicationReport, inner_axes: tuple[str, ...]) -> PhaseBytes:
-        """Totals of ``report``'s collectives, split at the node boundary."""
+        """Totals of ``report``'s collectives, split at the node boundary; the one-time
+        copy of a common anchor (scope ``common_anchor``: ``delta`` and an outer step
+        without ``outer_skip_first``, until each fragment's first global average) is
+        left out."""
+        report = CommunicationReport(c for c in report if "common_anchor" not in c.scope)
         cross = [crosses_nodes(c, inner_axes) for c in report]
         return cls(
             report,
@@ -129,7 +133,11 @@ def communication_ledger(
     ``num_steps`` calls from these arguments, the same ones those calls then use
     (``step.compile``), reads each one's collectives, and charges
     every step the bytes of its phase (replayed from the step counters). A collective
-    crosses nodes when its groups span a mesh axis other than ``inner_axes``.
+    crosses nodes when its groups span a mesh axis other than ``inner_axes``. Inside a
+    phase's program a collective under a conditional is charged whenever the phase
+    runs (the model state's mean, which runs whenever the params average), except the
+    one-time copy of a common anchor before the first global average (scope
+    ``common_anchor``), which is left out.
 
     Args:
       step: a step from :func:`data_parallel_step`.

@@ -71,7 +71,8 @@ def _from_first(anchor: Any, group: Group) -> Any:
     leaves, treedef = jax.tree.flatten(anchor)
     picked = [i for i, x in enumerate(leaves) if _collectives.is_averaged(x)]
     first = _first_members(group)
-    sums = _collectives._psum([jnp.where(first, leaves[i], 0) for i in picked], group)
+    with jax.named_scope("common_anchor"):  # once, until the first global average
+        sums = _collectives._psum([jnp.where(first, leaves[i], 0) for i in picked], group)
     for i, s in zip(picked, sums):
         leaves[i] = _collectives.cast_like(s, leaves[i])
     return jax.tree.unflatten(treedef, leaves)

@@ -55,6 +55,7 @@ SCOPES = (
     "model_averaging",
     "model_state_averaging",
     "metrics",
+    "common_anchor",
 )
 
 

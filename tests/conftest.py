@@ -29,3 +29,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if pathlib.Path(str(item.fspath)).name in SLOW_FILES:
             item.add_marker(pytest.mark.slow)
+
+
+_SECONDS = {"fast": 0.0, "slow": 0.0}
+
+
+def pytest_runtest_logreport(report):
+    tier = "slow" if pathlib.Path(report.fspath).name in SLOW_FILES else "fast"
+    _SECONDS[tier] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How long each tier took in this run (setup, call and teardown of its tests)."""
+    fast, slow = _SECONDS["fast"], _SECONDS["slow"]
+    terminalreporter.write_line(
+        f"test tiers: fast {fast / 60:.1f} min, slow {slow / 60:.1f} min "
+        "(the fast tier alone: python -m pytest -q -m 'not slow')"
+    )

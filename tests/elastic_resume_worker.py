@@ -184,7 +184,14 @@ def user_error():
             raise ValueError(f"the loss failed on process {jax.process_index()}")
         return loss_fn(params, batch)
 
-    loop = make_loop(loss, batches, on_attempt=lambda s, layout: print("ATTEMPT", s, flush=True))
+    # The loss raises when traced at step 2: no compiling of coming phases ahead of
+    # time, which would trace it earlier (at step 0, on a background thread)
+    loop = make_loop(
+        loss,
+        batches,
+        on_attempt=lambda s, layout: print("ATTEMPT", s, flush=True),
+        step_options={"compile_ahead": 0},
+    )
     loop.run(4)
     print("FINISHED", flush=True)
 
