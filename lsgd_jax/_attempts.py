@@ -155,6 +155,22 @@ def first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0][:300] if text else ''}"
 
 
+def _live_members() -> tuple[tuple[int, int], ...]:
+    """The barrier's live ``(process, incarnation)`` pairs (raises if process 0 hosted
+    the coordination service and is gone)."""
+    from jax.experimental import multihost_utils as mh
+
+    incarnation = mh.live_devices.devices
+    assert incarnation is not None  # set by entering the block
+    members = tuple(sorted({(d.process_index, int(i)) for d, i in incarnation.items()}))
+    if not _membership.external_coordinator() and 0 not in {p for p, _ in members}:
+        raise CoordinatorLostError(
+            "lsgd_jax.elastic: process 0 (the coordination service's host) is "
+            "gone; the run cannot continue. Restart the job (from a checkpoint)."
+        )
+    return members
+
+
 class Attempts:
     """Runs work in attempts until one succeeds on every live process.
 
@@ -219,19 +235,6 @@ class Attempts:
             state = _heal.heal(params, opt_state, layout.mesh, AXES, joining, me == source)
         return state, step
 
-    def _members(self) -> tuple[tuple[int, int], ...]:
-        from jax.experimental import multihost_utils as mh
-
-        incarnation = mh.live_devices.devices
-        assert incarnation is not None  # set by entering the block
-        members = tuple(sorted({(d.process_index, int(i)) for d, i in incarnation.items()}))
-        if not _membership.external_coordinator() and 0 not in {p for p, _ in members}:
-            raise CoordinatorLostError(
-                "lsgd_jax.elastic: process 0 (the coordination service's host) is "
-                "gone; the run cannot continue. Restart the job (from a checkpoint)."
-            )
-        return members
-
     def _body(self, members, state, step: int, work: Callable[..., Any]):
         """The attempt inside the barrier: agree, adopt, work. Returns ``(out, step, view,
         layout, changed)``."""
@@ -260,7 +263,7 @@ class Attempts:
         # process runs the same attempts in the same phase. (Resetting the cache would
         # add an entry barrier that a newcomer's first barrier could pair with instead.)
         with mh.live_devices(jax.devices()):
-            members = self._members()
+            members = _live_members()
             # The watchdog times the body only: waiting in the barrier for a peer's
             # failure to be detected is not a stall of this process.
             self._watchdog.arm(f"{label} (step {step})")

@@ -309,14 +309,7 @@ def restore_checkpoint(
     ocp = _ocp()
     paths, leaves, treedef = _flatten(target)
     abstract = [_abstract(p, x) for p, x in zip(paths, leaves)]
-    steps = _steps(directory)
-    if step is None and not steps:
-        raise FileNotFoundError(f"restore_checkpoint: no complete checkpoint under {directory!r}.")
-    if step is not None and step not in steps:
-        raise FileNotFoundError(
-            f"restore_checkpoint: no checkpoint of step {step} under {directory!r}; "
-            f"saved steps: {steps}."
-        )
+    steps = _saved_steps(directory, step)
     skipped: list[tuple[int, _files.Damaged]] = []
     # A Checkpointer reads one step folder; a CheckpointManager would first read the
     # metadata of every step, and log an error for each damaged one.
@@ -358,6 +351,19 @@ def restore_checkpoint(
     if check_in_sync:
         assert_replicas_in_sync(tree)
     return tree
+
+
+def _saved_steps(directory: Any, step: int | None) -> list[int]:
+    """The complete steps under ``directory``; raises if there is none, or not ``step``."""
+    steps = _steps(directory)
+    if step is None and not steps:
+        raise FileNotFoundError(f"restore_checkpoint: no complete checkpoint under {directory!r}.")
+    if step is not None and step not in steps:
+        raise FileNotFoundError(
+            f"restore_checkpoint: no checkpoint of step {step} under {directory!r}; "
+            f"saved steps: {steps}."
+        )
+    return steps
 
 
 def _unreadable(
