@@ -137,3 +137,27 @@ def distributed_runtime_service(
         shutdown_timeout=shutdown_timeout_s,
         recoverable=True,
     )
+
+
+def stablehlo_module(source: Any) -> Any:
+    """A StableHLO module object (``jaxlib.mlir.ir.Module``) to walk, in a context with
+    JAX's dialects (``stablehlo``, ``sdy``, ``func``, ...) registered.
+
+    ``source`` is a ``jax.export.Exported`` (its module, deserialized) or a module's
+    text (parsed). ``jax.interpreters.mlir.make_ir_context`` is JAX's own context
+    factory; ``Exported.mlir_module(serialized=False)`` needs such a context around it.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from lsgd_jax import _compat
+      >>> exported = jax.export.export(jax.jit(jnp.sin), platforms=("cuda",))(jnp.ones(2))
+      >>> _compat.stablehlo_module(exported).operation.name
+      'builtin.module'
+    """
+    from jax.interpreters import mlir
+    from jaxlib.mlir import ir
+
+    with mlir.make_ir_context():
+        if isinstance(source, str):
+            return ir.Module.parse(source)
+        return source.mlir_module(serialized=False)

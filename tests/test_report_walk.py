@@ -1,0 +1,144 @@
+"""The StableHLO report walks the module object: the same report as reading its text."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from helpers import DATA, linear_loss, mesh_2x4, put, smap
+
+import lsgd_jax
+from lsgd_jax import _compat, comm
+from lsgd_jax._report import _parse_stablehlo_text, parse_stablehlo
+
+
+def periodic(**options):
+    return lsgd_jax.PeriodicModelAverager(2, warmup_steps=10, **options)
+
+
+# (name, averager): flat, two-level, quantized (one and two levels, 4 bits), compressed
+# with delta, hierarchical, delayed.
+AVERAGERS = [
+    ("flat", periodic()),
+    ("two_level", periodic(communication=comm.two_level())),
+    ("quantized", periodic(communication=comm.quantized(8))),
+    ("quantized_two_level_4bit", periodic(communication=comm.quantized(4, two_level=True))),
+    ("bf16_delta", periodic(communication_dtype=jnp.bfloat16, delta=True)),
+    (
+        "hierarchical",
+        lsgd_jax.HierarchicalModelAverager({2: "local", 4: ("node", "local")}, warmup_steps=10),
+    ),
+    ("delay", lsgd_jax.PeriodicModelAverager(4, warmup_steps=10, delay=1)),
+]
+
+
+def exported_step(averager):
+    """A data_parallel_step (post-local SGD hook, SGD, the averager) lowered for CUDA."""
+    mesh = mesh_2x4()
+    tx = optax.chain(
+        lsgd_jax.post_local_sgd(10), optax.sgd(0.1), lsgd_jax.model_averaging(averager)
+    )
+    step = lsgd_jax.data_parallel_step(linear_loss, tx, mesh)
+    params = {"w": jnp.ones((16, 8)), "b": jnp.zeros(8)}
+    args = (
+        lsgd_jax.replicate(params, mesh),
+        lsgd_jax.replicate(tx.init(params), mesh),
+        put(jnp.ones((32, 16)), mesh, DATA),
+    )
+    exported = jax.export.export(step.jitted, platforms=("cuda",))(*step.jit_args(*args))
+    return exported, mesh
+
+
+@pytest.mark.filterwarnings("ignore:HierarchicalModelAverager averages over")
+@pytest.mark.parametrize("name, averager", AVERAGERS, ids=[n for n, _ in AVERAGERS])
+def test_the_walk_gives_the_report_the_text_gave(name, averager):
+    exported, mesh = exported_step(averager)
+    walked = parse_stablehlo(_compat.stablehlo_module(exported), mesh=mesh)
+    read = _parse_stablehlo_text(exported.mlir_module(), mesh=mesh)
+    assert len(walked) > 0
+    assert walked == read  # every field of every collective, in the same order
+    assert any(c.conditional for c in walked) and any(c.branch is not None for c in walked)
+    # the text form of the module, parsed by MLIR, walks the same
+    assert parse_stablehlo(exported.mlir_module(), mesh=mesh) == walked
+
+
+def test_a_called_function_is_walked_at_each_call_site():
+    # An inner jax.jit becomes a func.call of a private function. The walk follows each
+    # call: inside a cond branch its collective is conditional, and the call's name
+    # (with the branch) prefixes the op_name; the text parser listed it once, as
+    # unconditional, named only "psum".
+    mesh = mesh_2x4()
+    inner = jax.jit(lambda g: jax.lax.pmean(g, "local"))
+
+    def body(g):
+        g = jax.lax.cond(g.sum() > 0, inner, lambda g: jax.lax.pmean(g, ("node", "local")), g)
+        return inner(g)
+
+    f = smap(body, mesh, DATA, DATA, check_vma=False)
+    x = put(jnp.ones((8, 4)), mesh, DATA)
+    report = lsgd_jax.communication_report(f, x, platform="cuda")
+    got = sorted((c.axes, c.conditional, c.branch, c.op_name.split("/")[-1]) for c in report)
+    assert got == [
+        (("local",), False, None, "psum"),
+        (("local",), True, 1, "psum"),
+        (("node", "local"), True, 0, "psum"),
+    ]
+    assert all(c.bytes == 16 for c in report)
+
+
+def test_element_types_count_their_bytes():
+    # Types the text parser mis-sized: i4 (taken as 4 bytes), f8 (not read: 0 bytes),
+    # complex; a sub-byte element counts one byte, as in parse_hlo.
+    types = {"4xi4": 4, "4xf8E4M3FN": 4, "4xcomplex<f32>": 32, "4xui16": 8, "4x2xi1": 8}
+    for t, nbytes in types.items():
+        mlir = f"""func.func @main(%x: tensor<{t}>) -> tensor<{t}> {{
+  %0 = "stablehlo.all_to_all"(%x) <{{concat_dimension = 0 : i64,
+      replica_groups = dense<[[0, 1, 2, 3], [4, 5, 6, 7]]> : tensor<2x4xi64>,
+      split_count = 4 : i64, split_dimension = 0 : i64}}> : (tensor<{t}>) -> tensor<{t}>
+  return %0 : tensor<{t}>
+}}"""
+        (c,) = parse_stablehlo(mlir, mesh=mesh_2x4())
+        assert (c.kind, c.bytes, c.axes, c.conditional, c.name) == (
+            "all-to-all",
+            nbytes,
+            ("local",),
+            False,
+            "%0",
+        ), t
+
+
+def test_permute_pairs():
+    mlir = """func.func @main(%x: tensor<2xf32>) -> (tensor<2xf32>, tensor<6xf32>) {
+  %0 = "stablehlo.collective_permute"(%x) <{source_target_pairs =
+      dense<[[0, 1], [1, 2], [2, 0]]> : tensor<3x2xi64>}> : (tensor<2xf32>) -> tensor<2xf32>
+  %1 = "stablehlo.all_gather"(%x) <{all_gather_dim = 0 : i64,
+      replica_groups = dense<[[0, 1, 2], [3, 4, 5]]> : tensor<2x3xi64>}>
+      : (tensor<2xf32>) -> tensor<6xf32>
+  return %0, %1 : tensor<2xf32>, tensor<6xf32>
+}"""
+    permute, gather = parse_stablehlo(mlir)
+    assert (permute.group_size, permute.num_groups, permute.bytes) == (2, 3, 8)
+    assert permute.replica_groups == ((0, 1), (1, 2), (2, 0)) and permute.axes is None
+    assert gather.replica_groups == ((0, 1, 2), (3, 4, 5)) and gather.bytes == 8
+
+
+def test_lowered_module_object_walks_like_the_exported_one():
+    # lowered.compiler_ir("stablehlo") is already a module object: no text in between.
+    mesh = mesh_2x4()
+    f = smap(lambda g: jax.lax.pmean(g, "local"), mesh, DATA, DATA)
+    x = put(jnp.ones((8, 4)), mesh, DATA)
+    module = f.trace(x).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
+    (c,) = parse_stablehlo(module, mesh=mesh)
+    assert (c.kind, c.axes, c.bytes, c.conditional, c.scope) == (
+        "all-reduce",
+        ("local",),
+        16,
+        False,
+        "",
+    )
+    assert c.op_name.endswith("pmean") or "psum" in c.op_name
+
+
+def test_no_main_function_is_an_error():
+    mlir = "func.func private @f() { return }"
+    with pytest.raises(ValueError, match="no main function"):
+        parse_stablehlo(mlir)
