@@ -29,6 +29,14 @@ any trainer, process 0 included, may die and come back (``--kill 0@20 --restart
 0@30``); ``--no-coordinator-process`` lets process 0 host it (then its death ends the
 run). ``--late P`` starts process P again once the run is over: it prints one line
 saying so and exits 0.
+
+``--checkpoint-dir DIR --checkpoint-every K`` saves a checkpoint every K steps during
+the run (the live processes save it; a death mid-save leaves the previous one readable)
+and resumes from DIR's newest checkpoint when the job starts, on any number of
+processes. ``--max-restarts R``: if the coordinator process dies (``--kill-coordinator
+K`` kills it at step K), the launcher ends the trainers, restarts the coordinator and
+the whole job, which resumes from the newest checkpoint, up to R times; the exit status
+still says whether every surviving process finished.
 """
 
 from __future__ import annotations
@@ -69,6 +77,34 @@ def _job_args(ap: argparse.ArgumentParser) -> None:
     )
 
 
+def _checkpoint_args(ap: argparse.ArgumentParser) -> None:
+    """The options of checkpoints, and of restarting the job when the coordinator dies."""
+    ap.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        metavar="DIR",
+        help="save checkpoints into DIR during the run, and resume from its newest one",
+    )
+    ap.add_argument(
+        "--checkpoint-every", type=int, default=None, metavar="K", help="save every K steps"
+    )
+    ap.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="if the coordinator process dies, restart it and the whole job (which resumes "
+        "from the newest checkpoint) up to K times",
+    )
+    ap.add_argument(
+        "--kill-coordinator",
+        type=int,
+        default=None,
+        metavar="K",
+        help="SIGKILL the coordinator process once a live process reports starting step K (once)",
+    )
+
+
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--processes", type=int, default=3)
@@ -93,6 +129,7 @@ def parse(argv=None):
         "survived): to measure what the loop costs a step",
     )
     _job_args(ap)
+    _checkpoint_args(ap)
     ap.add_argument("--json", default=None, metavar="FILE")
     ap.add_argument("--start", type=int, default=10, help="start_localSGD_iter")
     ap.add_argument("--period", type=int, default=4, help="model averaging period")
@@ -125,7 +162,18 @@ def parse(argv=None):
     ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--events", default=None, help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    return _checked(ap, ap.parse_args(argv))
+
+
+def _checked(ap: argparse.ArgumentParser, args):
+    """``args``, once the checkpoint and restart options fit together (else exit 2)."""
+    if args.max_restarts < 0:
+        ap.error(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    if (args.max_restarts or args.kill_coordinator is not None) and not args.coordinator_process:
+        ap.error("--max-restarts and --kill-coordinator need the coordinator process")
+    if (args.checkpoint_dir is None) != (args.checkpoint_every is None):
+        ap.error("--checkpoint-dir and --checkpoint-every go together")
+    return args
 
 
 def _at(items: list[str], flag: str) -> list[tuple[int, int]]:
@@ -299,8 +347,9 @@ def worker(args) -> None:
         if dies.get((r.step + 1, "between")):
             os._exit(3)
 
+    ckpt = {"checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every}
     loop = elastic.ElasticLoop(
-        loss_fn, tx, init, batch_fn, stall_timeout_s=args.stall_timeout, on_step=on_step
+        loss_fn, tx, init, batch_fn, stall_timeout_s=args.stall_timeout, on_step=on_step, **ckpt
     )
     result = loop.run(args.steps)
     _say_timing(me, stamps)
@@ -323,6 +372,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _end(procs: dict[int, subprocess.Popen]) -> None:
+    """SIGKILLs every trainer still running (a stopped one too) and reaps them all."""
+    for p in procs.values():
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+    for p in procs.values():
+        p.wait()
+
+
 class _Launcher:
     def __init__(self, args, argv: list[str], events: pathlib.Path):
         self.args, self.argv, self.events = args, argv, events
@@ -333,6 +393,8 @@ class _Launcher:
         self._read = 0
         self.started = -1  # the highest step a live process reported starting
         self.coordinator: subprocess.Popen | None = None
+        self.coordinator_killed = False  # --kill-coordinator done
+        self.restarts = 0  # of the coordinator and the job (--max-restarts)
 
     def _env(self) -> dict[str, str]:
         env = dict(
@@ -413,6 +475,36 @@ class _Launcher:
                 restarts.remove((p, k))
                 print(f"elastic.py: restarted process {p} at step {self.started}", flush=True)
 
+    def watch_coordinator(self) -> None:
+        """``--kill-coordinator K``; and if the coordinator died, up to
+        ``--max-restarts`` times: every trainer is ended, the coordinator restarted (on a
+        new port) and every trainer started again (the job resumes from its newest
+        checkpoint)."""
+        c, k = self.coordinator, self.args.kill_coordinator
+        if c is None:
+            return
+        if k is not None and self.started >= k and not self.coordinator_killed:
+            c.kill()
+            c.wait()
+            self.coordinator_killed = True
+            print(f"elastic.py: killed the coordinator process at step {self.started}", flush=True)
+        if c.poll() is None or self.restarts >= self.args.max_restarts:
+            return
+        self.restarts += 1
+        print(
+            f"elastic.py: the coordinator process died; restarting it and the job (restart "
+            f"{self.restarts} of {self.args.max_restarts}), which resumes from its newest "
+            "checkpoint",
+            flush=True,
+        )
+        _end(self.procs)
+        self.port = _free_port()
+        self.start_coordinator()
+        self.gone.clear()
+        self.stopped.clear()
+        for i in range(self.args.processes):
+            self.start(i)
+
     def _0_is_not_special(self) -> bool:
         """Whether the others survive process 0's death (the service runs elsewhere)."""
         return self.coordinator is not None or 0 not in self.gone
@@ -462,6 +554,7 @@ def launch(args, argv: list[str]) -> int:
                 run.start(i)
             while True:
                 run.poll_events()
+                run.watch_coordinator()
                 run.act(kills, restarts, stalls)
                 code = run.finished()
                 if code is not None:  # nobody left to reach a pending --restart's step
@@ -471,13 +564,7 @@ def launch(args, argv: list[str]) -> int:
                     return 1
                 time.sleep(0.02)
         finally:
-            for p in run.procs.values():
-                if p.poll() is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        p.send_signal(signal.SIGCONT)
-                        p.kill()
-            for p in run.procs.values():
-                p.wait()
+            _end(run.procs)
             run.stop_coordinator()  # after the trainers: they talk to it to the end
 
 

@@ -59,7 +59,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lsgd_jax import _attempts, _membership, _validate
+from lsgd_jax import _attempts, _elastic_checkpoint, _membership, _validate
 from lsgd_jax._membership import CoordinatorLostError, Layout
 
 logger = logging.getLogger("lsgd_jax.elastic")
@@ -432,6 +432,15 @@ def _check_loop_args(
     return stall, failures
 
 
+def _fresh_job(initial_state: Any, first_step: Any, ran: bool) -> bool:
+    """Whether run() starts a job that may resume from a checkpoint: no state given,
+    this loop never ran, and no membership recorded yet (a process that restarts in a
+    running job joins it instead)."""
+    if initial_state is not None or first_step != 0 or ran or not _membership.newcomer():
+        return False
+    return _membership._latest(_membership.client()) is None
+
+
 class ElasticLoop:
     """A training loop that survives dead processes and takes restarted ones back.
 
@@ -465,7 +474,16 @@ class ElasticLoop:
         batch's, a bad ``initial_state``) is raised at once, and the other processes
         stop too with a ``RuntimeError`` naming it.
       on_step: called with each :class:`StepRecord` as the step completes.
-      on_attempt: called with ``(step, layout)`` as each attempt starts its step.
+      on_attempt: called with ``(step, layout)`` as each attempt starts its step
+        (after the step's checkpoint save has started, if it saves one).
+      checkpoint_dir: a folder to save checkpoints into and resume from (None: none).
+        :meth:`run` at the start of a job resumes from its newest finalized step (on
+        any number of processes: the replicas are resized).
+      checkpoint_every: save the state at the start of every step that is a multiple
+        of it (step 0 excepted), in the format of :func:`~lsgd_jax.save_checkpoint`;
+        needs ``checkpoint_dir``. The live processes save it (the lowest writes,
+        asynchronously); a death during a save leaves the previous checkpoints
+        readable and the save is done again over the survivors.
 
     Example:
       >>> import lsgd_jax.elastic as elastic
@@ -485,10 +503,16 @@ class ElasticLoop:
         max_failures: int = 20,
         on_step: Callable[[StepRecord], None] | None = None,
         on_attempt: Callable[[int, Layout], None] | None = None,
+        checkpoint_dir: str | os.PathLike | None = None,
+        checkpoint_every: int | None = None,
     ) -> None:
+        directory, every = _elastic_checkpoint.check_args(checkpoint_dir, checkpoint_every)
         stall_timeout_s, max_failures = _check_loop_args(
             loss_fn, tx, step_options, stall_timeout_s, max_failures
         )
+        self._checkpoints = None
+        if directory is not None and every is not None:
+            self._checkpoints = _elastic_checkpoint.Checkpoints(directory, every)
         self._loss_fn, self._tx, self._init_params = loss_fn, tx, init_params
         self._batch_fn, self._options = batch_fn, dict(step_options or {})
         self._on_step, self._on_attempt = on_step, on_attempt
@@ -517,6 +541,9 @@ class ElasticLoop:
         return self._steps[key]
 
     def _train_work(self, state, step: int, layout: Layout):
+        ckpt = self._checkpoints
+        if ckpt is not None and ckpt.due(step):
+            ckpt.save(state, step, layout.processes)  # the state step `step` starts from
         if self._on_attempt is not None:
             self._on_attempt(step, layout)
         sharding = NamedSharding(layout.mesh, P(("node", "local")))
@@ -557,6 +584,10 @@ class ElasticLoop:
         """
         attempts = self._attempts
         ran = attempts.view is not None
+        if self._checkpoints is not None and _fresh_job(initial_state, first_step, ran):
+            resumed = self._checkpoints.resume(self._init_params, self._tx)
+            if resumed is not None:
+                first_step, initial_state = resumed
         state = _start_state(num_steps, first_step, initial_state, ran, self._init_params, self._tx)
         attempts.given = state  # moved onto the mesh by the first attempt that succeeds
         step: int = first_step
@@ -578,6 +609,8 @@ class ElasticLoop:
                 self._on_step(record)
             step += 1
         self._step, attempts.last_step = step, None
+        if self._checkpoints is not None:
+            self._checkpoints.wait()
         _membership.mark_finished(step)
         assert state is not None and self.layout is not None  # num_steps >= 1 ran
         return ElasticResult(state[0], state[1], self.layout, records)
