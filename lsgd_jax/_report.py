@@ -260,6 +260,11 @@ def _axes_of(groups: Sequence[Sequence[int]], mesh: Any) -> tuple[str, ...] | No
     return None
 
 
+# The compiled (post-optimization) program is read from its text: jaxlib's structured
+# HloModule (``compiled.runtime_executable().hlo_modules()``) gives each instruction only
+# its name, opcode, operands and users (no replica groups, shapes, metadata or called
+# computations), and converting it to StableHLO (``_jax.mlir.hlo_to_stablehlo``, private)
+# loses the instruction and computation names a Collective carries. Checked with jax 0.10.2.
 def parse_hlo(text: str, mesh: Any = None, num_devices: int | None = None) -> CommunicationReport:
     """Lists the collectives of an HLO module's text (``compiled.as_text()``).
 
@@ -390,9 +395,10 @@ _STABLEHLO_CONDITIONALS = ("stablehlo.case", "stablehlo.if")
 
 
 def _tensor_bytes(type_: Any) -> int:
-    """Bytes of a ranked tensor type (a sub-byte element counts one byte, as in HLO)."""
-    if not isinstance(type_, ir.RankedTensorType):
-        return 0  # a token
+    """Bytes of a ranked tensor type (a sub-byte element counts one byte, as in HLO); 0
+    for a token or a shape not known before run time."""
+    if not isinstance(type_, ir.RankedTensorType) or not type_.has_static_shape:
+        return 0
     return int(np.prod(type_.shape)) * max(1, _element_bits(type_.element_type) // 8)
 
 
@@ -549,140 +555,6 @@ def parse_stablehlo(module: Any, mesh: Any = None) -> CommunicationReport:
     return CommunicationReport(walk.out)
 
 
-_MLIR_KINDS = {
-    "all_reduce": "all-reduce",
-    "all_gather": "all-gather",
-    "reduce_scatter": "reduce-scatter",
-    "collective_permute": "collective-permute",
-    "all_to_all": "all-to-all",
-    "collective_broadcast": "collective-broadcast",
-}
-_MLIR_OP = re.compile(r'"stablehlo\.(' + "|".join(_MLIR_KINDS) + r')"')
-_MLIR_COND = re.compile(r'"stablehlo\.(case|if)"\(')
-_MLIR_TENSOR = re.compile(r"tensor<((?:\d+x)*)([a-z]+\d*)>")
-_MLIR_BYTES = {
-    "i1": 1,
-    "i8": 1,
-    "ui8": 1,
-    "i16": 2,
-    "bf16": 2,
-    "f16": 2,
-    "i32": 4,
-    "ui32": 4,
-    "f32": 4,
-    "i64": 8,
-    "ui64": 8,
-    "f64": 8,
-}
-
-
-def _mlir_bytes(types: str) -> int:
-    total = 0
-    for dims, dtype in _MLIR_TENSOR.findall(types):
-        n = int(np.prod([int(d) for d in dims.split("x") if d] or [1]))
-        total += n * _MLIR_BYTES.get(dtype, 4)
-    return total
-
-
-_MLIR_LOC_ALIAS = re.compile(r"^(#loc\d*)\s*=\s*loc\((.*)\)\s*$")
-
-
-def _mlir_loc_name(loc: str, aliases: dict[str, str], depth: int = 0) -> str:
-    """The JAX name of an MLIR location: ``"name"(...)``, through ``#loc`` aliases and
-    ``callsite(callee at caller)``; "" for file or unknown locations."""
-    loc = loc.strip()
-    if depth > 64:
-        return ""
-    if loc.startswith("#loc"):
-        return _mlir_loc_name(aliases.get(loc, ""), aliases, depth + 1)
-    name = re.match(r'"((?:[^"\\]|\\.)*)"(?!:\d)', loc)  # a name, not "file":line:col
-    if name:
-        return name.group(1)
-    callee = re.match(r"callsite\((#loc\d*|\S+)\s+at\b", loc)
-    if callee:
-        return _mlir_loc_name(callee.group(1), aliases, depth + 1)
-    return ""
-
-
-def _parse_stablehlo_text(text: str, mesh: Any = None) -> CommunicationReport:
-    """Lists the collectives of a StableHLO module (e.g. ``jax.export``'s ``mlir_module()``).
-
-    A collective is ``conditional`` when it sits inside a region of a ``stablehlo.case``
-    or ``stablehlo.if``. This reads the program before XLA optimizes it (no all-reduce
-    combining), for any target platform, without a device of that kind.
-
-    Args:
-      text: the module's text.
-      mesh: the mesh its device positions refer to, to name the axes of each group.
-
-    Returns:
-      A CommunicationReport (``bytes`` from the result types; ``computation`` is "").
-
-    Example:
-      >>> mlir = '''
-      ... %1 = "stablehlo.case"(%0) ({
-      ...   %2 = "stablehlo.all_reduce"(%x) <{replica_groups = dense<[[0, 1]]>}> ({
-      ...   }) : (tensor<3xf32>) -> tensor<3xf32>
-      ... }) : (tensor<i32>) -> tensor<3xf32>'''
-      >>> [(c.kind, c.group_size, c.bytes, c.conditional) for c in _parse_stablehlo_text(mlir)]
-      [('all-reduce', 2, 12, True)]
-    """
-    lines = text.splitlines()
-    locs = {m[1]: m[2] for m in map(_MLIR_LOC_ALIAS.match, lines) if m}
-    stack: list[int] = []  # indents of the open case/if ops
-    out = []
-    for k, line in enumerate(lines):
-        indent = len(line) - len(line.lstrip())
-        stripped = line.strip()
-        if stack and indent == stack[-1] and stripped.startswith("})"):
-            stack.pop()
-            continue
-        if _MLIR_COND.search(line):
-            stack.append(indent)
-            continue
-        m = _MLIR_OP.search(line)
-        if not m:
-            continue
-        groups_m = re.search(r"replica_groups = dense<(\[\[.*?\]\])>", line)
-        if groups_m:
-            groups = tuple(
-                tuple(int(i) for i in g.split(",") if i.strip())
-                for g in re.findall(r"\[([\d,\s]+)\]", groups_m.group(1))
-            )
-        else:
-            groups = ((),)
-        # An op with a region (all_reduce's reducer) ends at its "})" line, with the
-        # types and location there; one without (all_to_all, all_gather) on its own line.
-        close = line
-        if line.rstrip().endswith("({"):
-            close = next(
-                (
-                    later
-                    for later in lines[k + 1 :]
-                    if later.strip().startswith("})") and len(later) - len(later.lstrip()) == indent
-                ),
-                line,
-            )
-        result_types = close.split("->", 1)[-1] if "->" in close else ""
-        op = re.search(r"\bloc\((.*)\)\s*$", close)
-        size = max(len(g) for g in groups) or 1
-        out.append(
-            Collective(
-                kind=_MLIR_KINDS[m.group(1)],
-                group_size=size,
-                num_groups=len(groups),
-                axes=_axes_of(groups, mesh) if groups != ((),) else None,
-                bytes=_operand_bytes(_MLIR_KINDS[m.group(1)], _mlir_bytes(result_types), size),
-                conditional=bool(stack),
-                name=stripped.split("=", 1)[0].strip(),
-                computation="",
-                op_name=_mlir_loc_name(op.group(1), locs) if op else "",
-                replica_groups=groups,
-            )
-        )
-    return CommunicationReport(out)
-
-
 def _find_mesh(args: Iterable[Any]) -> Any:
     import jax
 
@@ -712,8 +584,9 @@ def communication_report(
       mesh: the mesh whose axes name the groups; default the mesh of the first argument
         with a ``NamedSharding``.
       platform: when given (e.g. ``"cuda"`` or ``"tpu"``), the step is lowered for that
-        platform with ``jax.export`` instead of compiled here, and its StableHLO is read
-        (before XLA's optimizations; no device of that kind is needed).
+        platform with ``jax.export`` instead of compiled here, and its StableHLO module is walked
+        (before XLA's optimizations, see ``parse_stablehlo``; no device of that kind is
+        needed).
       **kwargs: keyword arguments of ``jitted_step``.
 
     Returns:

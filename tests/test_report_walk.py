@@ -1,16 +1,25 @@
 """The StableHLO report walks the module object: the same report as reading its text."""
 
 import logging
+import re
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from helpers import DATA, linear_loss, mesh_2x4, put, smap
 
 import lsgd_jax
 from lsgd_jax import _compat, comm
-from lsgd_jax._report import _parse_stablehlo_text, parse_stablehlo
+from lsgd_jax._report import (
+    Collective,
+    CommunicationReport,
+    _axes_of,
+    _operand_bytes,
+    parse_stablehlo,
+)
 
 
 def periodic(**options):
@@ -59,7 +68,7 @@ def test_the_walk_gives_the_report_the_text_gave(name, averager, caplog):
     caplog.set_level(logging.ERROR, logger="lsgd_jax")
     exported, mesh = exported_step(averager)
     walked = parse_stablehlo(_compat.stablehlo_module(exported), mesh=mesh)
-    read = _parse_stablehlo_text(exported.mlir_module(), mesh=mesh)
+    read = text_report(exported.mlir_module(), mesh=mesh)
     assert len(walked) > 0
     assert walked == read  # every field of every collective, in the same order
     assert any(c.conditional for c in walked) and any(c.branch is not None for c in walked)
@@ -148,3 +157,119 @@ def test_no_main_function_is_an_error():
     mlir = "func.func private @f() { return }"
     with pytest.raises(ValueError, match="no main function"):
         parse_stablehlo(mlir)
+
+
+# The regex-based StableHLO text parser that parse_stablehlo replaced, kept as the
+# independent reference of test_the_walk_gives_the_report_the_text_gave.
+_MLIR_KINDS = {
+    "all_reduce": "all-reduce",
+    "all_gather": "all-gather",
+    "reduce_scatter": "reduce-scatter",
+    "collective_permute": "collective-permute",
+    "all_to_all": "all-to-all",
+    "collective_broadcast": "collective-broadcast",
+}
+_MLIR_OP = re.compile(r'"stablehlo\.(' + "|".join(_MLIR_KINDS) + r')"')
+_MLIR_COND = re.compile(r'"stablehlo\.(case|if)"\(')
+_MLIR_TENSOR = re.compile(r"tensor<((?:\d+x)*)([a-z]+\d*)>")
+_MLIR_BYTES = {
+    "i1": 1,
+    "i8": 1,
+    "ui8": 1,
+    "i16": 2,
+    "bf16": 2,
+    "f16": 2,
+    "i32": 4,
+    "ui32": 4,
+    "f32": 4,
+    "i64": 8,
+    "ui64": 8,
+    "f64": 8,
+}
+
+
+def _mlir_bytes(types: str) -> int:
+    total = 0
+    for dims, dtype in _MLIR_TENSOR.findall(types):
+        n = int(np.prod([int(d) for d in dims.split("x") if d] or [1]))
+        total += n * _MLIR_BYTES.get(dtype, 4)
+    return total
+
+
+_MLIR_LOC_ALIAS = re.compile(r"^(#loc\d*)\s*=\s*loc\((.*)\)\s*$")
+
+
+def _mlir_loc_name(loc: str, aliases: dict[str, str], depth: int = 0) -> str:
+    """The JAX name of an MLIR location: ``"name"(...)``, through ``#loc`` aliases and
+    ``callsite(callee at caller)``; "" for file or unknown locations."""
+    loc = loc.strip()
+    if depth > 64:
+        return ""
+    if loc.startswith("#loc"):
+        return _mlir_loc_name(aliases.get(loc, ""), aliases, depth + 1)
+    name = re.match(r'"((?:[^"\\]|\\.)*)"(?!:\d)', loc)  # a name, not "file":line:col
+    if name:
+        return name.group(1)
+    callee = re.match(r"callsite\((#loc\d*|\S+)\s+at\b", loc)
+    if callee:
+        return _mlir_loc_name(callee.group(1), aliases, depth + 1)
+    return ""
+
+
+def text_report(text: str, mesh: Any = None) -> CommunicationReport:
+    """The report the regex-based text parser gave (lsgd_jax before issue 17): the
+    reference the module walk is compared with."""
+    lines = text.splitlines()
+    locs = {m[1]: m[2] for m in map(_MLIR_LOC_ALIAS.match, lines) if m}
+    stack: list[int] = []  # indents of the open case/if ops
+    out = []
+    for k, line in enumerate(lines):
+        indent = len(line) - len(line.lstrip())
+        stripped = line.strip()
+        if stack and indent == stack[-1] and stripped.startswith("})"):
+            stack.pop()
+            continue
+        if _MLIR_COND.search(line):
+            stack.append(indent)
+            continue
+        m = _MLIR_OP.search(line)
+        if not m:
+            continue
+        groups_m = re.search(r"replica_groups = dense<(\[\[.*?\]\])>", line)
+        if groups_m:
+            groups = tuple(
+                tuple(int(i) for i in g.split(",") if i.strip())
+                for g in re.findall(r"\[([\d,\s]+)\]", groups_m.group(1))
+            )
+        else:
+            groups = ((),)
+        # An op with a region (all_reduce's reducer) ends at its "})" line, with the
+        # types and location there; one without (all_to_all, all_gather) on its own line.
+        close = line
+        if line.rstrip().endswith("({"):
+            close = next(
+                (
+                    later
+                    for later in lines[k + 1 :]
+                    if later.strip().startswith("})") and len(later) - len(later.lstrip()) == indent
+                ),
+                line,
+            )
+        result_types = close.split("->", 1)[-1] if "->" in close else ""
+        op = re.search(r"\bloc\((.*)\)\s*$", close)
+        size = max(len(g) for g in groups) or 1
+        out.append(
+            Collective(
+                kind=_MLIR_KINDS[m.group(1)],
+                group_size=size,
+                num_groups=len(groups),
+                axes=_axes_of(groups, mesh) if groups != ((),) else None,
+                bytes=_operand_bytes(_MLIR_KINDS[m.group(1)], _mlir_bytes(result_types), size),
+                conditional=bool(stack),
+                name=stripped.split("=", 1)[0].strip(),
+                computation="",
+                op_name=_mlir_loc_name(op.group(1), locs) if op else "",
+                replica_groups=groups,
+            )
+        )
+    return CommunicationReport(out)
