@@ -76,6 +76,53 @@ def test_the_walk_gives_the_report_the_text_gave(name, averager, caplog):
     assert parse_stablehlo(exported.mlir_module(), mesh=mesh) == walked
 
 
+HANDWRITTEN = """func.func @main(%p: tensor<i32>, %x: tensor<8xf32>, %y: tensor<2xf32>)
+    -> (tensor<8xf32>, tensor<2xf32>) {
+  %0:2 = "stablehlo.all_reduce"(%x, %y) <{channel_handle = #stablehlo.channel_handle<handle = 1,
+      type = 1>, replica_groups = dense<[[0, 1, 2, 3, 4, 5, 6, 7]]> : tensor<1x8xi64>,
+      use_global_device_ids}> ({
+  ^bb0(%a: tensor<f32>, %b: tensor<f32>):
+    %s = stablehlo.add %a, %b : tensor<f32>
+    stablehlo.return %s : tensor<f32>
+  }) : (tensor<8xf32>, tensor<2xf32>) -> (tensor<8xf32>, tensor<2xf32>) loc("metrics/psum")
+  %1 = "stablehlo.case"(%p) ({
+    %2 = "stablehlo.reduce_scatter"(%x) <{replica_groups = dense<[[0, 4], [1, 5], [2, 6],
+        [3, 7]]> : tensor<4x2xi64>, scatter_dimension = 0 : i64}> ({
+    ^bb0(%a: tensor<f32>, %b: tensor<f32>):
+      %s = stablehlo.add %a, %b : tensor<f32>
+      stablehlo.return %s : tensor<f32>
+    }) : (tensor<8xf32>) -> tensor<4xf32> loc(callsite("cond/branch_0_fun/psum_scatter"
+        at "f.py":3:4))
+    %3 = "stablehlo.all_gather"(%2) <{all_gather_dim = 0 : i64, replica_groups =
+        dense<[[0, 4], [1, 5], [2, 6], [3, 7]]> : tensor<4x2xi64>}>
+        : (tensor<4xf32>) -> tensor<8xf32> loc("cond/branch_0_fun/all_gather"("f.py":3:9))
+    stablehlo.return %3 : tensor<8xf32>
+  }, {
+    %4 = "stablehlo.collective_broadcast"(%x) <{replica_groups = dense<[[0, 1], [2, 3],
+        [4, 5], [6, 7]]> : tensor<4x2xi64>}> : (tensor<8xf32>) -> tensor<8xf32>
+    stablehlo.return %4 : tensor<8xf32>
+  }) : (tensor<i32>) -> tensor<8xf32>
+  return %1, %0#1 : tensor<8xf32>, tensor<2xf32>
+}"""
+
+
+def test_a_handwritten_module_walks_as_its_text_read():
+    # Several results, reduce-scatter, broadcast, a call-site location, and both
+    # branches of a case; the printed module (what jax.export's text is) reads the same.
+    # (SSA names are the printed ones: MLIR numbers sibling regions from the same start.)
+    mesh = mesh_2x4()
+    module = _compat.stablehlo_module(HANDWRITTEN)
+    walked = parse_stablehlo(module, mesh=mesh)
+    assert walked == text_report(module.operation.get_asm(enable_debug_info=True), mesh=mesh)
+    got = [(c.kind, c.name, c.bytes, c.axes, c.conditional, c.branch, c.scope) for c in walked]
+    assert got == [
+        ("all-reduce", "%0:2", 40, ("node", "local"), False, None, "metrics"),
+        ("reduce-scatter", "%2", 32, ("node",), True, 0, ""),
+        ("all-gather", "%3", 16, ("node",), True, 0, ""),
+        ("collective-broadcast", "%2", 32, None, True, None, ""),
+    ]
+
+
 def test_a_called_function_is_walked_at_each_call_site():
     # An inner jax.jit becomes a func.call of a private function. The walk follows each
     # call: inside a cond branch its collective is conditional, and the call's name
