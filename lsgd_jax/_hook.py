@@ -5,13 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax import lax
 
 from lsgd_jax import _collectives, comm
 from lsgd_jax._collectives import GroupSpec
-from lsgd_jax._state import PostLocalSGDState
+from lsgd_jax._state import PostLocalSGDState, keeps_residual
 
 DEFAULT_SUBGROUP = ("local",)
 
@@ -79,24 +78,24 @@ def post_localSGD_hook(state: PostLocalSGDState, grads: Any) -> tuple[Any, PostL
       >>> out
       Array([0.5, 0.5, 2.5, 2.5], dtype=float32)
     """
-    if not isinstance(state, PostLocalSGDState):
-        raise TypeError(
-            f"post_localSGD_hook expects a PostLocalSGDState as its first argument, got "
-            f"{type(state).__name__}; create one with lsgd_jax.PostLocalSGDState(...)."
-        )
+    _check_state(state)
     global_group, subgroup = _groups(state)
     communication = state.communication or comm.flat()
 
-    def mean(grads, group):
-        return comm.apply(communication, grads, group, None, step=state.iter).value
+    def mean(grads, state, group):
+        out = comm.apply(communication, grads, group, state.comm_state, step=state.iter)
+        if state.comm_state is None:
+            return out.value, state
+        return out.value, state.replace(comm_state=_residual_like(out.state, state.comm_state))
 
     def global_step(grads, state):
-        return mean(grads, global_group), state.maybe_increase_iter()
+        grads, state = mean(grads, state, global_group)
+        return grads, state.maybe_increase_iter()
 
     def local_step(grads, state):
         if subgroup is None:
             return grads, state
-        return mean(grads, subgroup), state
+        return mean(grads, state, subgroup)
 
     with jax.named_scope("post_localSGD_hook"):  # names its collectives in the HLO
         if state.start_localSGD_iter == 0:  # static: local from the first step, no cond
@@ -104,6 +103,41 @@ def post_localSGD_hook(state: PostLocalSGDState, grads: Any) -> tuple[Any, PostL
         if state.pinned_phase is not None:  # a step specialized per phase (static)
             return (global_step if state.pinned_phase else local_step)(grads, state)
         return lax.cond(state.phase > 0, global_step, local_step, grads, state)
+
+
+def _check_state(state: Any) -> None:
+    """A PostLocalSGDState, with a residual where its strategy keeps error feedback."""
+    if not isinstance(state, PostLocalSGDState):
+        raise TypeError(
+            f"post_localSGD_hook expects a PostLocalSGDState as its first argument, got "
+            f"{type(state).__name__}; create one with lsgd_jax.PostLocalSGDState(...)."
+        )
+    if state.comm_state is None and keeps_residual(state.communication):
+        raise ValueError(
+            f"post_localSGD_hook: {state.communication!r} keeps an error-feedback residual "
+            "shaped like the gradients in the hook's state, and this state has none: "
+            "create it with state.init(params) (post_local_sgd(...).init(params) does), "
+            "or use error_feedback=False."
+        )
+
+
+def _residual_like(new: Any, old: Any) -> Any:
+    """The strategy's new residual typed like the state's (so both cond branches agree).
+
+    A residual is per replica; one held by a state shared by every replica (passed
+    unmapped) cannot take it, which is said here rather than as a type error of JAX's.
+    """
+    for x, y in zip(jax.tree.leaves(new), jax.tree.leaves(old)):
+        extra = _collectives.vma(x) - _collectives.vma(y)
+        if extra:
+            raise ValueError(
+                "post_localSGD_hook: the error-feedback residual (state.comm_state) differs "
+                f"between replicas (over {sorted(extra, key=str)}), but this state is "
+                "shared by them: pass the hook's state per replica, with a leading replica "
+                "axis sharded over the data axes (lsgd_jax.replicate(state, mesh) and that "
+                "axis in the shard_map in_specs and out_specs; data_parallel_step does this)."
+            )
+    return _collectives.cast_like(new, old)
 
 
 def post_local_sgd(
@@ -161,8 +195,7 @@ def post_local_sgd(
     )
 
     def init_fn(params: optax.Params) -> PostLocalSGDState:
-        del params
-        return template.replace(iter=jnp.zeros([], jnp.int32))
+        return template.init(params)
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args

@@ -13,7 +13,7 @@ from jax import lax
 
 from lsgd_jax import _collectives, _validate
 from lsgd_jax._collectives import GroupSpec
-from lsgd_jax._struct import Struct, pytree_dataclass, static_field
+from lsgd_jax._struct import Struct, static_field
 
 logger = logging.getLogger("lsgd_jax")
 
@@ -33,24 +33,61 @@ def _check_communication(communication: Any, what: str) -> Any:
             f"{what}: communication must be a lsgd_jax.comm strategy (e.g. "
             f"lsgd_jax.comm.flat()), got {communication!r}."
         )
-    if communication is not None and communication.init({"g": jnp.zeros(2)}) is not None:
-        raise ValueError(
-            f"{what}: {communication!r} keeps per-replica state (error feedback), which "
-            "the hook's state does not carry; use it on a model averager, or without "
-            "error feedback here."
-        )
     return communication
 
 
-@pytree_dataclass
+def keeps_residual(communication: Any) -> bool:
+    """Whether ``communication`` keeps per-replica state (error feedback) for the values
+    it averages, which the hook then carries in ``PostLocalSGDState.comm_state``."""
+    return communication is not None and communication.init({"g": jnp.zeros(2)}) is not None
+
+
+def _register(cls: Any) -> Any:
+    """Registers the state as a pytree: children ``iter`` and, only when it is not None,
+    ``comm_state``; the other fields are static metadata.
+
+    So a state without error feedback has exactly the tree structure it had before the
+    hook could keep a residual (checkpoints saved then restore without a structure
+    warning), and one with it has the residual's leaves under ``.comm_state``.
+    """
+    meta = tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("static"))
+    keys = (jax.tree_util.GetAttrKey("iter"), jax.tree_util.GetAttrKey("comm_state"))
+
+    def children(x: Any) -> list[Any]:
+        return [x.iter] if x.comm_state is None else [x.iter, x.comm_state]
+
+    def flatten_with_keys(x: Any) -> tuple[list[tuple[Any, Any]], tuple[Any, ...]]:
+        return list(zip(keys, children(x))), tuple(getattr(x, n) for n in meta)
+
+    def flatten(x: Any) -> tuple[list[Any], tuple[Any, ...]]:
+        return children(x), tuple(getattr(x, n) for n in meta)
+
+    def unflatten(aux: tuple[Any, ...], kids: Any) -> Any:
+        kids = list(kids)
+        fields = dict(zip(meta, aux), iter=kids[0], comm_state=kids[1] if len(kids) > 1 else None)
+        obj = object.__new__(cls)
+        for name, value in fields.items():
+            object.__setattr__(obj, name, value)
+        return obj
+
+    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+    cls.__setattr__ = Struct.__setattr__
+    cls.__delattr__ = Struct.__delattr__
+    return cls
+
+
+@_register
 @dataclasses.dataclass(frozen=True, init=False, eq=False, repr=False)
 class PostLocalSGDState(Struct):
     """The state of :func:`post_localSGD_hook`: a step count and where to average.
 
-    An immutable pytree. Its only array leaf is ``iter`` (an int32 scalar, 0 at
-    construction), which counts the steps that averaged gradients globally; it stops
-    growing at ``start_localSGD_iter``, as in PyTorch. Everything else is static metadata,
-    so the state can be a ``jax.jit`` argument, an optax state and a ``lax.scan`` carry.
+    An immutable pytree. Its array leaves are ``iter`` (an int32 scalar, 0 at
+    construction), which counts the steps that averaged gradients globally (it stops
+    growing at ``start_localSGD_iter``, as in PyTorch), and, only with a communication
+    strategy that keeps error feedback (``comm.quantized()``), the residual
+    ``comm_state``, created by :meth:`init`. Everything else is static metadata, so the
+    state can be a ``jax.jit`` argument, an optax state and a ``lax.scan`` carry, and
+    its tree structure follows from its configuration alone.
 
     Construction logs ``"Local SGD will be started after N iterations"`` through the
     ``logging`` logger ``"lsgd_jax"``.
@@ -71,6 +108,12 @@ class PostLocalSGDState(Struct):
       pinned_phase: None, or (static) the phase the hook takes whatever ``iter`` says:
         set by whoever specializes a step per phase (see :func:`phase_index`), in the
         state's static metadata so that every trace cache keys on it.
+      comm_state: None, or the communication strategy's per-replica state: with
+        ``comm.quantized(error_feedback=True)``, the error-feedback residual, float32
+        zeros shaped like the gradients from :meth:`init`, what rounding dropped from
+        this replica's gradients and is sent with its next mean. Per replica: pass the
+        state with a leading replica axis (``data_parallel_step`` does). Checkpointed
+        with the rest (a leaf path ending in ``.comm_state``).
 
     Example:
       >>> import lsgd_jax
@@ -88,6 +131,7 @@ class PostLocalSGDState(Struct):
     post_local_gradient_allreduce: bool = static_field()
     communication: Any = static_field()
     pinned_phase: int | None = static_field()
+    comm_state: Any = None
 
     def __init__(
         self,
@@ -109,10 +153,42 @@ class PostLocalSGDState(Struct):
             ),
             "communication": _check_communication(communication, "PostLocalSGDState"),
             "pinned_phase": None,
+            "comm_state": None,
         }
         for name, value in fields.items():
             object.__setattr__(self, name, value)
         logger.info("Local SGD will be started after %s iterations", start)
+
+    def init(self, params: Any = None) -> PostLocalSGDState:
+        """The initial state (``iter`` 0) with the communication strategy's state for
+        gradients shaped like ``params``: a zero residual with ``comm.quantized()``'s
+        error feedback, None otherwise. ``post_local_sgd(...).init(params)`` calls it.
+
+        Args:
+          params: the params (or any tree shaped like the gradients); needed only when
+            the strategy keeps error feedback.
+
+        Returns:
+          A new PostLocalSGDState.
+
+        Example:
+          >>> import jax.numpy as jnp, lsgd_jax
+          >>> state = lsgd_jax.PostLocalSGDState(
+          ...     None, "local", 4, communication=lsgd_jax.comm.quantized(8))
+          >>> state.init({"w": jnp.ones(3)}).comm_state
+          {'w': Array([0., 0., 0.], dtype=float32)}
+        """
+        fresh = jnp.zeros([], jnp.int32)
+        if not keeps_residual(self.communication):
+            return self.replace(iter=fresh, comm_state=None)
+        if params is None:
+            raise ValueError(
+                f"post_localSGD_hook: {self.communication!r} keeps an error-feedback "
+                "residual shaped like the gradients on every replica, so the hook's state "
+                "needs them: create it with state.init(params) (or "
+                "post_local_sgd(...).init(params)), or use error_feedback=False."
+            )
+        return self.replace(iter=fresh, comm_state=self.communication.init(params))
 
     @property
     def num_phases(self) -> int:

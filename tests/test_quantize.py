@@ -364,8 +364,8 @@ def test_bad_arguments_and_the_stateless_hook_are_explained():
         comm.quantized(error_feedback="yes")
     with pytest.raises(TypeError, match="two_level must be True or False"):
         comm.quantized(two_level=1)
-    with pytest.raises(ValueError, match="keeps per-replica state"):
-        lsgd_jax.post_local_sgd(4, communication=comm.quantized())
+    with pytest.raises(ValueError, match=r"state.init\(params\)"):
+        lsgd_jax.post_local_sgd(4, communication=comm.quantized()).init(None)
     with pytest.raises(ValueError, match=r"averager.init\(params\)"):
         lsgd_jax.PeriodicModelAverager(2, communication=comm.quantized()).init()
 
