@@ -430,10 +430,12 @@ def _stablehlo_groups(op: Any) -> tuple[tuple[int, ...], ...]:
 
 @dataclasses.dataclass(frozen=True)
 class _Site:
-    """Where a walk stands: inside a ``case``/``if`` branch or not, the names of the
-    ``func.call`` sites it passed (the prefix of an op_name), the functions it called."""
+    """Where a walk stands: inside a ``case``/``if`` branch or not, the region index of
+    the outermost ``case`` around it (None outside any), the names of the ``func.call``
+    sites it passed (the prefix of an op_name), the functions it called."""
 
     conditional: bool = False
+    branch: int | None = None
     names: tuple[str, ...] = ()
     calls: tuple[str, ...] = ()
 
@@ -443,15 +445,17 @@ class _StableHLOWalk:
     and called function, collecting its collectives."""
 
     def __init__(self, module: Any, mesh: Any) -> None:
+        self.module = module  # its operations live only as long as it does
         body = module.body.operations
         self.funcs = {
-            str(op.attributes["sym_name"].value): op
+            str(op.attributes["sym_name"].value): op.operation
             for op in body
             if op.operation.name == "func.func"
         }
         self.names = ir.AsmState(module.operation)
         self.mesh = mesh
         self.out: list[Collective] = []
+        self.branches: list[int | None] = []  # the outermost case's region, per collective
 
     def entry(self) -> Any:
         """``main``, or the module's only public function."""
@@ -463,19 +467,24 @@ class _StableHLOWalk:
         return public[0]
 
     def regions(self, op: Any, site: _Site) -> None:
-        for region in op.regions:
+        for index, region in enumerate(op.regions):
+            if op.name in _STABLEHLO_CONDITIONALS:
+                outermost = site.branch is None and op.name == "stablehlo.case"
+                branch = index if outermost else site.branch
+                here = dataclasses.replace(site, conditional=True, branch=branch)
+            else:
+                here = site
             for block in region.blocks:
                 for inner in block.operations:
-                    self.visit(inner.operation, site)
+                    self.visit(inner.operation, here)
 
     def visit(self, op: Any, site: _Site) -> None:
         if op.name in _STABLEHLO_KINDS:
             self.out.append(self.collective(op, site))
+            self.branches.append(site.branch)
         elif op.name == "func.call":
             self.call(op, site)
         else:
-            if op.name in _STABLEHLO_CONDITIONALS:
-                site = dataclasses.replace(site, conditional=True)
             self.regions(op, site)
 
     def call(self, op: Any, site: _Site) -> None:
@@ -483,7 +492,8 @@ class _StableHLOWalk:
         callee = str(op.attributes["callee"].value)
         if callee in self.funcs and callee not in site.calls:
             names = site.names + (_loc_name(op.location),)
-            self.regions(self.funcs[callee], _Site(site.conditional, names, site.calls + (callee,)))
+            here = dataclasses.replace(site, names=names, calls=site.calls + (callee,))
+            self.regions(self.funcs[callee], here)
 
     def collective(self, op: Any, site: _Site) -> Collective:
         kind = _STABLEHLO_KINDS[op.name]

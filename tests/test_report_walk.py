@@ -18,6 +18,8 @@ from lsgd_jax._report import (
     CommunicationReport,
     _axes_of,
     _operand_bytes,
+    _Site,
+    _StableHLOWalk,
     parse_stablehlo,
 )
 
@@ -72,6 +74,10 @@ def test_the_walk_gives_the_report_the_text_gave(name, averager, caplog):
     assert len(walked) > 0
     assert walked == read  # every field of every collective, in the same order
     assert any(c.conditional for c in walked) and any(c.branch is not None for c in walked)
+    # the branch a collective's op_name names is the region of the outermost case
+    walk = _StableHLOWalk(_compat.stablehlo_module(exported), mesh)
+    walk.regions(walk.entry(), _Site())
+    assert walk.branches == [c.branch for c in walked]
     # the text form of the module, parsed by MLIR, walks the same
     assert parse_stablehlo(exported.mlir_module(), mesh=mesh) == walked
 
