@@ -20,11 +20,14 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
-from helpers import DATA, squeeze, unsqueeze
+from helpers import DATA, mesh_2x4, put, smap, squeeze, types_of, unsqueeze
 from jax import lax
 from jax.sharding import PartitionSpec as P
+from mp_worker import CFG, global_batch, init_params, loss_fn, train
 
 import lsgd_jax
 from lsgd_jax import comm
@@ -172,7 +175,9 @@ def run_hook(grads, nodes, k, strategy, post_local_gradient_allreduce=True):
 
     def body(g, state):
         def one(s, g_t):
+            before = types_of(s)
             out, s = tx.update(g_t, s)
+            assert types_of(s) == before  # the residual keeps its types: a scan carry
             return s, out
 
         state, outs = lax.scan(one, squeeze(state), jax.tree.map(lambda x: x[:, 0], g))
@@ -257,3 +262,118 @@ def test_without_allreduce_after_the_switch_the_residual_waits():
     tol = block_tolerance(grads)
     assert (np.abs(got[:START] - want) <= tol[:START]).all()
     assert (np.abs(as_flat(state.comm_state, (8,)) - residual) <= 8 * tol[-1]).all()
+
+
+# --- the state ----------------------------------------------------------------------------
+
+
+def test_the_state_structure_follows_the_configuration():
+    params = {"w": jnp.ones((3, 2), jnp.bfloat16), "n": jnp.int32(3), "b": jnp.zeros(4)}
+    state = lsgd_jax.post_local_sgd(2, communication=comm.quantized(4)).init(params)
+    residual = state.comm_state
+    assert jax.tree.structure(residual) == jax.tree.structure(params)
+    assert {k: (v.shape, v.dtype) for k, v in residual.items()} == {
+        "w": ((3, 2), jnp.float32),  # float32 whatever the gradient's float dtype
+        "n": ((), jnp.int32),  # not averaged, never changes
+        "b": ((4,), jnp.float32),
+    }
+    assert not any(np.asarray(x).any() for x in jax.tree.leaves(residual))
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    assert paths == [".iter", ".comm_state['b']", ".comm_state['n']", ".comm_state['w']"]
+    again = jax.tree.unflatten(jax.tree.structure(state), jax.tree.leaves(state))
+    assert again.communication == comm.quantized(4) and again.comm_state.keys() == params.keys()
+
+    for strategy in (None, comm.flat(), comm.two_level(), comm.quantized(8, error_feedback=False)):
+        plain = lsgd_jax.post_local_sgd(2, communication=strategy).init(params)
+        assert plain.comm_state is None and len(jax.tree.leaves(plain)) == 1
+
+    with pytest.raises(ValueError, match=r"state.init\(params\)"):
+        lsgd_jax.post_local_sgd(2, communication=comm.quantized()).init(None)
+    bare = lsgd_jax.PostLocalSGDState(None, None, 2, communication=comm.quantized())
+    with pytest.raises(ValueError, match="this state has none"):
+        lsgd_jax.post_localSGD_hook(bare, params)
+    assert bare.init(params).comm_state.keys() == params.keys()
+
+
+def test_a_state_shared_by_the_replicas_is_refused_with_error_feedback():
+    tx = lsgd_jax.post_local_sgd(2, communication=comm.quantized(8))
+    grads = jnp.asarray(spread_grads(seed=3, steps=1)[0])
+
+    def body(g, s):
+        out, s = tx.update(squeeze(g), s)
+        return unsqueeze(out), s
+
+    f = smap(body, mesh_2x4(), (DATA, P()), (DATA, P()))
+    state = put(tx.init(grads[0]), mesh_2x4(), P())
+    with pytest.raises(ValueError, match="pass the hook's state per replica"):
+        f(put(grads, mesh_2x4(), DATA), state)
+
+
+# --- inside data_parallel_step, and its checkpoints ---------------------------------------
+
+
+def make_tx(strategy):
+    start = CFG["start"]
+    return optax.chain(
+        lsgd_jax.post_local_sgd(start, communication=strategy),
+        lsgd_jax.post_local_sgd_optimizer(
+            optax.sgd(CFG["lr"], momentum=CFG["momentum"]),
+            lsgd_jax.PeriodicModelAverager(CFG["period"], warmup_steps=start),
+        ),
+    )
+
+
+def test_data_parallel_step_carries_the_residual_and_a_checkpoint_resumes_it(tmp_path):
+    mesh = mesh_2x4()
+    strategy = comm.quantized(8, two_level=True)
+    p0 = init_params()
+
+    def fresh(strategy=strategy):
+        return {
+            "params": lsgd_jax.replicate(p0, mesh),
+            "opt_state": lsgd_jax.replicate(make_tx(strategy).init(p0), mesh),
+        }
+
+    def hook_state(state):
+        return state["opt_state"][0]
+
+    def on_step(s, state):
+        if s + 1 == 3:  # in the warm-up: global quantized means, a residual in flight
+            lsgd_jax.save_checkpoint(tmp_path, 3, state)
+
+    step = lsgd_jax.data_parallel_step(loss_fn, make_tx(strategy), mesh)
+    want = train(fresh(), step, 0, 8, global_batch, on_step)  # the switch at step 4
+    residual = as_leaves(hook_state(want).comm_state)
+    assert all(r.shape[0] == 8 and r.dtype == np.float32 for r in residual)
+    assert any(r.any() for r in residual)
+    assert any((r != r[:1]).any() for r in residual)  # per replica
+    assert (np.asarray(hook_state(want).iter) == CFG["start"]).all()
+
+    restored = lsgd_jax.restore_checkpoint(tmp_path, fresh(), strict=True)
+    assert (np.asarray(hook_state(restored).iter) == 3).all()
+    assert any(r.any() for r in as_leaves(hook_state(restored).comm_state))
+    got = train(
+        restored, lsgd_jax.data_parallel_step(loss_fn, make_tx(strategy), mesh), 3, 8, global_batch
+    )
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(g, w)
+
+    # A target built without error feedback has no residual to restore into: said so.
+    no_ef = fresh(comm.quantized(8, two_level=True, error_feedback=False))
+    with pytest.raises(ValueError, match="comm_state"):
+        lsgd_jax.restore_checkpoint(tmp_path, no_ef, strict=True)
+    # Error feedback changes the run (the same steps without it end elsewhere).
+    other = train(
+        no_ef,
+        lsgd_jax.data_parallel_step(
+            loss_fn, make_tx(comm.quantized(8, two_level=True, error_feedback=False)), mesh
+        ),
+        0,
+        8,
+        global_batch,
+    )
+    assert not np.array_equal(other["params"]["w1"], want["params"]["w1"])
+
+
+def as_leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
