@@ -268,3 +268,52 @@ def test_make_mesh_axes_are_auto_so_plain_jit_code_runs_on_it():
     w = jax.device_put(jnp.zeros(3), jax.NamedSharding(mesh, P()))
     grad = jax.jit(jax.grad(lambda w, x: jnp.mean((x @ w - 1.0) ** 2)))(w, x)
     np.testing.assert_allclose(grad, -2.0 * np.ones(3))
+
+
+# --- error feedback (comm.quantized): the residual in the state ----------------------------
+
+
+def test_without_error_feedback_the_state_keeps_its_one_child_structure():
+    # Checkpoints saved before the hook could keep a residual hold this structure.
+    state = lsgd_jax.PostLocalSGDState(None, "local", 3).init({"w": jnp.ones(4)})
+    assert state.comm_state is None
+    assert str(jax.tree.structure(state)) == (
+        "PyTreeDef(CustomNode(PostLocalSGDState[(None, ('local',), 3, True, None, None)], [*]))"
+    )
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    assert paths == [".iter"]
+    with_ef = lsgd_jax.PostLocalSGDState(
+        None, "local", 3, communication=lsgd_jax.comm.quantized(8)
+    ).init({"w": jnp.ones(4)})
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(with_ef)[0]]
+    assert paths == [".iter", ".comm_state['w']"]
+    assert jax.tree.structure(with_ef.replace(comm_state=None)) != jax.tree.structure(with_ef)
+
+
+def test_under_pmap_error_feedback_telescopes_across_the_switch():
+    nodes = lsgd_jax.IndexGroups("batch", [[0, 1, 2, 3], [4, 5, 6, 7]])
+    grads0 = jnp.zeros(1024)
+    state = lsgd_jax.PostLocalSGDState(
+        None, nodes, 2, communication=lsgd_jax.comm.quantized(4)
+    ).init(grads0)
+
+    def step(state, g):
+        g, state = lsgd_jax.post_localSGD_hook(state, g)
+        return state, g
+
+    f = jax.pmap(step, axis_name="batch")
+    state = jax.tree.map(lambda x: jnp.broadcast_to(x, (8, *jnp.shape(x))), state)
+    rng = np.random.default_rng(0)
+    sent, true = np.zeros(1024), np.zeros(1024)
+    for i in range(4):
+        g = (rng.normal(size=(8, 1024)) * 10.0 ** rng.uniform(-2, 2, (1, 1024))).astype(np.float32)
+        state, out = f(state, jnp.asarray(g))
+        out = np.asarray(out, np.float64)
+        size = 8 if i < 2 else 4  # global, then inside each node of 4
+        groups = out.reshape(8 // size, size, -1)
+        assert (groups == groups[:, :1]).all()
+        sent, true = sent + out.sum(0), true + g.astype(np.float64).sum(0)
+    residual = np.asarray(state.comm_state, np.float64).sum(0)
+    assert np.abs(residual).max() > 0
+    np.testing.assert_allclose(sent + residual, true, rtol=1e-5, atol=1e-4)
+    assert np.abs(sent - true).max() > 1e-2  # quantized: the residual closes the gap
