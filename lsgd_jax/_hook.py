@@ -48,17 +48,31 @@ def post_localSGD_hook(state: PostLocalSGDState, grads: Any) -> tuple[Any, PostL
     Only floating-point leaves are averaged; each leaf keeps its dtype and its
     varying-axes type, so the result can be carried through ``lax.scan``.
 
+    ``state.communication`` sends whichever mean the hook takes: the warm-up's global
+    means and, after the switch, the node-local ones. With ``comm.quantized()`` and its
+    error feedback, ``state.comm_state`` (per replica, zeros from ``state.init(params)``)
+    holds what rounding dropped from this replica's gradients, added to them before its
+    next mean; so over all replicas, the gradients handed out plus the residuals sum to
+    the true ones, across the switch too. With ``two_level=True`` a node-local mean never
+    leaves the node: it is an exact float32 mean and leaves the residual alone, so only
+    the cross-node traffic of the warm-up is quantized (the usual choice on a slow link).
+    With ``post_local_gradient_allreduce=False`` the residual left at the switch stays in
+    the state (at most one mean's rounding).
+
     Do not ``jax.vmap`` over replicas with per-replica counters: a ``lax.cond`` whose
     predicate is batched becomes a ``select`` that runs both branches, i.e. both
     all-reduces on every step. Map replicas with ``jax.shard_map`` or ``jax.pmap``.
 
     Args:
       state: a PostLocalSGDState. Its ``iter`` must be the same on every replica (it is,
-        when it starts equal and only this function advances it).
+        when it starts equal and only this function advances it). With an
+        error-feedback strategy, one per replica (a leading replica axis mapped like the
+        gradients), made by ``state.init(params)``.
       grads: any pytree of gradients (this replica's).
 
     Returns:
-      ``(grads, new_state)``: the averaged gradients and the next state.
+      ``(grads, new_state)``: the averaged gradients and the next state (with this
+      replica's new residual, under error feedback).
 
     Example:
       >>> import jax, jax.numpy as jnp, lsgd_jax
@@ -77,6 +91,23 @@ def post_localSGD_hook(state: PostLocalSGDState, grads: Any) -> tuple[Any, PostL
       >>> state, out = f(state, g)   # after: the mean inside each node of 2
       >>> out
       Array([0.5, 0.5, 2.5, 2.5], dtype=float32)
+
+      Quantized means with error feedback: the state per replica, with its residual.
+
+      >>> ef = lsgd_jax.PostLocalSGDState(
+      ...     None, "local", 1, communication=lsgd_jax.comm.quantized(8)).init(jnp.zeros(64))
+      >>> ef = lsgd_jax.replicate(ef, mesh)   # a leading replica axis
+      >>> data = P(("node", "local"))
+      >>> def step(state, g):
+      ...     g, state = lsgd_jax.post_localSGD_hook(
+      ...         jax.tree.map(lambda x: x[0], state), g[0])
+      ...     return jax.tree.map(lambda x: x[None], state), g[None]
+      >>> f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(data, data),
+      ...                           out_specs=(data, data)))
+      >>> g = jnp.linspace(-1.0, 1.0, 4 * 64).reshape(4, 64) ** 3
+      >>> ef, out = f(ef, g)
+      >>> bool(jnp.abs(out[0] - g.mean(0)).max() < 1e-2), ef.comm_state.shape
+      (True, (4, 64))
     """
     _check_state(state)
     global_group, subgroup = _groups(state)
@@ -167,8 +198,11 @@ def post_local_sgd(
       subgroup: one node's axes; None: ``"local"``. An IndexGroups under ``jax.pmap``.
       post_local_gradient_allreduce: if False, gradients are not averaged at all after the
         switch (pure local SGD between model averages).
-      communication: how the gradient means travel, a ``lsgd_jax.comm`` strategy; None:
-        one all-reduce (``comm.flat()``, PyTorch's).
+      communication: how the gradient means travel (the warm-up's global ones and the
+        node-local ones after it), a ``lsgd_jax.comm`` strategy; None: one all-reduce
+        (``comm.flat()``, PyTorch's). ``comm.quantized()`` with error feedback keeps
+        its residual in the state, so ``init`` needs the params (see
+        :func:`post_localSGD_hook`).
 
     Returns:
       An optax.GradientTransformationExtraArgs.
@@ -180,6 +214,14 @@ def post_local_sgd(
       ...     optax.sgd(0.1, momentum=0.9),
       ...     lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(8, warmup_steps=100)),
       ... )
+
+      The warm-up's global means sent across nodes as int8, with error feedback:
+
+      >>> import jax.numpy as jnp
+      >>> hook = lsgd_jax.post_local_sgd(
+      ...     100, communication=lsgd_jax.comm.quantized(8, two_level=True))
+      >>> hook.init({"w": jnp.ones(3)}).comm_state
+      {'w': Array([0., 0., 0.], dtype=float32)}
 
     References:
       Lin, Stich, Patel, Jaggi, `Don't Use Large Mini-Batches, Use Local SGD
