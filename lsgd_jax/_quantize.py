@@ -27,7 +27,9 @@ sum up to one residual, whatever the rounding (see :func:`quantized_mean`).
 
 A NaN or Inf makes the scale of its block NaN, so that whole block of the mean is NaN on
 every replica (the non-finite values propagate, as with a plain all-reduce, a block wide);
-the residual stays finite (0 where the values were not).
+the residual stays finite: it is 0 on a whole block that held a non-finite value (its
+finite values' rounding errors are dropped too), and, on the replica that summed a chunk,
+on a block of the chunk mean that came out non-finite.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ are stacked per replica: every array has a leading replica axis of size R, and r
 is the device at row-major position r of the mesh. Arithmetic is float32 where the library
 is float32 (group means are taken in float64 and rounded once, so they agree with any
 summation order to a float32 ulp or so); ``ml_dtypes.bfloat16`` models the rounding of
-``communication_dtype=jnp.bfloat16``.
+``communication_dtype=jnp.bfloat16``, and ``quantize_blocks`` replays the rounding of
+``comm.quantized`` exactly (it is deterministic), stage by stage, with its residual.
 
 A run is described by plain, hashable configs (``Topology``, ``HookConfig``,
 ``InnerConfig``, ``AveragerConfig``, ``RunConfig``) and a list of per-step ``Batch``es;
@@ -139,6 +140,122 @@ def used_members(finite: list[bool], policy: str) -> list[int] | None:
     if policy == "skip":
         return everyone if all(finite) else None
     raise ValueError(policy)
+
+
+# --- quantized means (comm.quantized) -----------------------------------------------------
+
+QMAX = {8: 127, 4: 7}
+
+
+def quantize_blocks(x: np.ndarray, bits: int, block: int) -> np.ndarray:
+    """What the receivers decode from ``x`` (last axis whole blocks), in float32.
+
+    Rule: "a block x travels as q = round(x / s), s = max|x| / qmax (qmax 127 for 8 bits,
+    7 for 4 bits)"; "a zero block gets scale 1; a block with a NaN or Inf gets scale NaN"
+    (so "that whole block of the mean is NaN"). ``round`` is half to even (jnp.round).
+    """
+    qmax = F32(QMAX[bits])
+    blocks = x.astype(F32).reshape(*x.shape[:-1], -1, block)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        scale = np.abs(blocks).max(axis=-1) / qmax
+        scale = np.where(scale == 0, F32(1), scale)
+        scale = np.where(np.isfinite(scale), scale, F32(np.nan)).astype(F32)
+        q = np.clip(np.round(blocks / scale[..., None]), -qmax, qmax)
+        q = np.where(np.isnan(q), F32(0), q).astype(F32)
+        return (q * scale[..., None]).reshape(x.shape)
+
+
+def quant_layout(length: int, inner: int, outer: int, bits: int, block_size: int):
+    """``(block, chunk, padded)``, or None where the mean is one float32 all-reduce.
+
+    Rule (``_quantize.plan``): "Each replica's chunk is its share of the values (of the
+    shard), padded to whole blocks, and a block is never longer than the chunk"; "the
+    bytes are compared ...: all-to-all + all-gather 2 (g - 1) x chunk bytes against a
+    ring all-reduce's 2 (g - 1) / g x 4 x length" (two levels: plus the float32
+    reduce-scatter and all-gather inside the node); "a group of one" sends no integers.
+    The docstring does not spell out the two-level byte count nor "bits=4: a block of
+    an even length"; both are read from the code.
+    """
+    if length == 0 or outer == 1:
+        return None
+    share = math.ceil(math.ceil(length / inner) / outer)
+    block = min(block_size, share + share % 2 if bits == 4 else share)
+    chunk = -(-share // block) * block
+    padded = inner * outer * chunk
+    chunk_bytes = chunk * bits // 8 + 4 * (chunk // block)
+    sent = 2 * (outer - 1) * chunk_bytes + 2 * (inner - 1) / inner * 4 * padded
+    n = inner * outer
+    if sent >= 2 * (n - 1) / n * 4 * length:
+        return None
+    return block, chunk, padded
+
+
+def quantized_one_level(rows: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """The one-level quantized mean of ``rows`` (g members in position order, each g
+    chunks): ``(mean, residuals)``.
+
+    Rule: "an all_to_all hands each replica its chunk from every peer, its own included,
+    quantized alike; it dequantizes, sums in float32 and divides: its chunk of the mean;
+    it quantizes that chunk mean again and an all_gather ... returns the whole mean";
+    "a replica's residual holds its stage-1 rounding error on every chunk, and, on the
+    chunk it summed, n times the stage-2 rounding error of that chunk mean"; "the
+    residual stays finite (0 where the values were not)". Replica at position j sums
+    chunk j.
+    """
+    g = len(rows)
+    x = rows.reshape(g, g, -1)  # member, chunk
+    sent = quantize_blocks(x, bits, block)
+    with np.errstate(invalid="ignore", over="ignore"):
+        total = sent[0].copy()
+        for m in range(1, g):
+            total = total + sent[m]
+        chunk_mean = total / F32(g)
+        sent2 = quantize_blocks(chunk_mean, bits, block)
+        residual = x - sent
+        for j in range(g):
+            residual[j, j] = residual[j, j] + F32(g) * (chunk_mean[j] - sent2[j])
+    residual = np.where(np.isfinite(residual), residual, F32(0))
+    return sent2.reshape(-1), residual.reshape(g, -1)
+
+
+def quantized_group_mean(
+    xs: np.ndarray, q: QuantConfig, inner: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The quantized mean of the flat buffers ``xs`` (values plus residuals, one row per
+    member in row-major order) and the members' new residuals.
+
+    Rule: one level (``inner == 1``) or, with two_level, "a float32 reduce-scatter inside
+    the node ..., the quantized mean across nodes of this device's shard of the node's
+    sum, a float32 all-gather inside the node. The residual is then this device's
+    shard's: zero elsewhere"; "where quantizing would send as many bytes as one float32
+    all-reduce or more, the mean is that all-reduce: exact, and the residual becomes
+    zero"; padding follows the data (zeros, cut off again).
+    """
+    g, length = xs.shape
+    outer = g // inner
+    layout = quant_layout(length, inner, outer, q.bits, q.block_size)
+    if layout is None:
+        return exact_mean(xs), np.zeros_like(xs)
+    block, _, padded = layout
+    x = np.zeros((g, padded), F32)
+    x[:, :length] = xs
+    if inner == 1:
+        mean, residual = quantized_one_level(x, q.bits, block)
+        return mean[:length], residual[:, :length]
+    nodes = x.reshape(outer, inner, padded)  # a member is (node position, local index)
+    with np.errstate(invalid="ignore", over="ignore"):
+        sums = nodes[:, 0].copy()
+        for i in range(1, inner):
+            sums = sums + nodes[:, i]
+    width = padded // inner
+    mean = np.zeros(padded, F32)
+    residual = np.zeros((outer, inner, padded), F32)
+    for i in range(inner):  # local device i sums shard i of its node
+        part = slice(i * width, (i + 1) * width)
+        mean[part], residual[:, i, part] = quantized_one_level(sums[:, part], q.bits, block)
+    with np.errstate(invalid="ignore"):
+        mean = mean / F32(inner)
+    return mean[:length], residual.reshape(g, padded)[:, :length]
 
 
 # --- the hook -----------------------------------------------------------------------------
@@ -290,11 +407,24 @@ class OuterConfig:
 
 @short_repr
 @dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """``comm.quantized(bits, block_size, error_feedback, two_level)``, inner axis "local"."""
+
+    bits: int = 8
+    block_size: int = 64
+    error_feedback: bool = True
+    two_level: bool = False
+
+
+@short_repr
+@dataclasses.dataclass(frozen=True)
 class AveragerConfig:
     """A PeriodicModelAverager (``levels`` empty) or HierarchicalModelAverager.
 
     period: the Periodic period: an int, or the name of a schedule in ``SCHEDULES``.
     levels: the Hierarchical ``((period, group axes or None), ...)``.
+    delay: ``delay=tau`` (0: none). quant: ``communication=comm.quantized(...)`` (None:
+    from ``nonfinite`` / ``bf16``).
     """
 
     kind: str  # "periodic" | "hierarchical"
@@ -308,6 +438,8 @@ class AveragerConfig:
     outer_skip_first: bool = True
     bf16: bool = False
     delta: bool = False
+    delay: int = 0
+    quant: QuantConfig | None = None
 
     @property
     def keeps_anchor(self) -> bool:
@@ -398,6 +530,10 @@ class AveragerState:
     outer_trace: the outer sgd's momentum, per replica (None without momentum).
     outer_count: per replica, "+= 1 on every non-skipped global average".
     last_sync: the step of the last average (a callable period).
+    residual: quantized with error feedback: "what rounding dropped is kept per replica
+    and sent with the next mean", params-shaped (floating leaves float32/complex64).
+    inflight_start / inflight_mean: with a delay, the params when the global average in
+    flight started and that average's result (initially both the params given to init).
     """
 
     step: int
@@ -405,6 +541,9 @@ class AveragerState:
     outer_trace: Tree | None
     outer_count: np.ndarray
     last_sync: int = 0
+    residual: Tree | None = None
+    inflight_start: Tree | None = None
+    inflight_mean: Tree | None = None
 
     def copy(self) -> AveragerState:
         def dup(t):
@@ -416,17 +555,32 @@ class AveragerState:
             dup(self.outer_trace),
             self.outer_count.copy(),
             self.last_sync,
+            dup(self.residual),
+            dup(self.inflight_start),
+            dup(self.inflight_mean),
         )
 
 
 def averager_init(cfg: AveragerConfig, params: Tree) -> AveragerState:
-    """step 0; the anchor is the params given to init; outer momentum zero."""
+    """step 0; the anchor is the params given to init; outer momentum zero; a zero
+    residual (quantized, error feedback); with a delay, nothing in flight: start = mean
+    = the params given to init."""
     n = len(next(iter(params.values())))
     anchor = {k: v.copy() for k, v in params.items()} if cfg.keeps_anchor else None
     trace = None
     if cfg.outer is not None and cfg.outer.momentum is not None:
         trace = {k: np.zeros_like(v) for k, v in params.items() if is_floating(v)}
-    return AveragerState(0, anchor, trace, np.zeros(n, np.int32))
+    state = AveragerState(0, anchor, trace, np.zeros(n, np.int32))
+    if cfg.quant is not None and cfg.quant.error_feedback:
+        state.residual = {
+            k: np.zeros(v.shape, np.complex64 if np.iscomplexobj(v) else F32)
+            for k, v in params.items()
+            if is_floating(v)
+        }
+    if cfg.delay:
+        state.inflight_start = {k: v.copy() for k, v in params.items()}
+        state.inflight_mean = {k: v.copy() for k, v in params.items()}
+    return state
 
 
 def averager_level(cfg: AveragerConfig, state: AveragerState) -> int:
@@ -463,7 +617,8 @@ class Averaged:
     incoming value elsewhere). assigned: per leaf, the positions that received a group
     value (a skipped group's members: none). extra: the averaged opt-state components.
     level: the level of the call (0: none). groups: the (members, leaf masks) that were
-    assigned, for the bitwise checks of ``average_parameters``.
+    averaged (the groups model state follows). started: a delayed global average
+    started on this call (its groups' params are not assigned now; no bitwise check).
     """
 
     params: Tree
@@ -471,6 +626,12 @@ class Averaged:
     extra: dict[str, Any]
     level: int
     groups: list[tuple[list[int], Tree]]
+    started: bool = False
+
+    @property
+    def bitwise_groups(self) -> list[tuple[list[int], Tree]]:
+        """The groups whose members ``average_parameters`` left bitwise identical."""
+        return [] if self.started else self.groups
 
 
 def first_global_step(cfg: AveragerConfig, level: int) -> int:
@@ -567,6 +728,28 @@ def _average_extra(
             new_extra[name][members] = mean_fn(c[src])
 
 
+def lands(cfg: AveragerConfig, step: int) -> bool:
+    """Rule (delay): "A global average ... lands tau calls after it starts": at call t
+    when the call t - tau started a global average."""
+    if not cfg.delay:
+        return False
+    started = averager_level(cfg, AveragerState(step - cfg.delay, None, None, np.zeros(0)))
+    return bool(started) and cfg.is_global(started)
+
+
+def land(params: Tree, state: AveragerState) -> Tree:
+    """Rule (delay): "at call t + tau, after that call's update, params become params +
+    (mean - s): the consensus correction on top of the local progress made meanwhile"
+    (floating leaves; integer leaves pass)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return {
+            k: (v + (state.inflight_mean[k] - state.inflight_start[k])).astype(v.dtype)
+            if is_floating(v)
+            else v
+            for k, v in params.items()
+        }
+
+
 def average_call(
     cfg: AveragerConfig,
     state: AveragerState,
@@ -576,7 +759,45 @@ def average_call(
 ) -> tuple[Averaged, AveragerState]:
     """One averager call on the params after the inner update (and chosen opt-state).
 
-    Rules: "+1 on every call"; at a level with group G (per group of that level):
+    Rules (delay): "+1 on every call"; a landing (``lands``) comes first, on the params
+    after this call's update; then, "at a call t that averages" a global average, "each
+    replica keeps its params s as they are and starts the mean (or the outer optimizer's
+    step) of s": the whole average (anchor, outer state, residual included) happens now,
+    its result is kept in flight and the params do not change; any other average (a
+    hierarchy's lower levels) happens at once, on the landed params. On a call that
+    lands or starts, every floating position goes through the averaging branch (for
+    the updates paths: ``u' = new - p``). The docstring says the correction lands
+    "after that call's update" but not what happens when the call that lands also
+    averages a lower level; the code (``_average_call.run``) lands first, then averages.
+    """
+    extra = dict(extra or {})
+    level = averager_level(cfg, state)
+    new_state = state.copy()
+    new_state.step = state.step + 1
+    landing = lands(cfg, state.step)
+    x = land(params, state) if landing else params
+    starts = bool(level) and bool(cfg.delay) and cfg.is_global(level)
+    avg = _average(cfg, (state, new_state), level, x, topo, extra)
+    if starts:
+        new_state.inflight_start = {k: v.copy() for k, v in x.items()}
+        new_state.inflight_mean = {k: v.copy() for k, v in avg.params.items()}
+        avg = Averaged(x, avg.assigned, avg.extra, level, avg.groups, started=True)
+    if landing or starts:
+        avg.assigned = {k: np.full(v.shape, is_floating(v)) for k, v in x.items()}
+    return avg, new_state
+
+
+def _average(
+    cfg: AveragerConfig,
+    states: tuple[AveragerState, AveragerState],
+    level: int,
+    params: Tree,
+    topo: Topology,
+    extra: dict[str, Any],
+) -> Averaged:
+    """One level's average of ``params`` (and chosen opt-state); updates ``states[1]``.
+
+    Rules: at a level with group G (per group of that level):
       * "delta=True: x_r <- x_r - anchor, and the result is anchor + mean", the anchor
         being common until the fragment's first global average (``working_anchor``).
       * the non-finite policy, "a member is non-finite if any value it contributes to
@@ -595,12 +816,11 @@ def average_call(
         fragments: chosen leaves that belong to a params-shaped part of the state ... are
         cut exactly like the params ...; any other chosen leaf is averaged whole at every
         fragment average. They take no part in delta/anchor/outer optimizer."
+      * quantized: the fragment's floating values (and this replica's residual) travel
+        as one flat buffer (``quantized_buffers``).
     ``extra``: chosen opt-state components, a params-shaped dict or a per-replica array.
     """
-    extra = dict(extra or {})
-    level = averager_level(cfg, state)
-    new_state = state.copy()
-    new_state.step = state.step + 1
+    state, new_state = states
     out = {k: v.copy() for k, v in params.items()}
     assigned = {k: np.zeros(v.shape, bool) for k, v in params.items()}
     new_extra = {
@@ -609,7 +829,7 @@ def average_call(
     }
     done: list[tuple[list[int], Tree]] = []
     if level == 0:
-        return Averaged(out, assigned, new_extra, 0, done), new_state
+        return Averaged(out, assigned, new_extra, 0, done)
     if isinstance(cfg.period, str):
         new_state.last_sync = state.step
     template = {k: v[0] for k, v in params.items()}
@@ -629,10 +849,12 @@ def average_call(
                     _set_anchor(new_state, anchor, members, masks)
                 continue
             src = [members[i] for i in used]
-            for k, v in x.items():
-                if not masks[k].any():
-                    continue
-                m = mean_fn(v[src][:, masks[k]])
+            if cfg.quant is not None:
+                group = (cfg.group(level) or topo.names, members)
+                means = quantized_buffers(cfg, (state, new_state), x, masks, group, topo)
+            else:
+                means = {k: mean_fn(v[src][:, masks[k]]) for k, v in x.items() if masks[k].any()}
+            for k, m in means.items():
                 for r in members:
                     value = anchor[k][r][masks[k]] + m if cfg.delta else m
                     out[k][r][masks[k]] = value
@@ -645,7 +867,68 @@ def average_call(
                 _set_anchor(new_state, out, members, masks)
             _average_extra(extra, new_extra, masks, (members, src), mean_fn)
             done.append((members, masks))
-    return Averaged(out, assigned, new_extra, level, done), new_state
+    return Averaged(out, assigned, new_extra, level, done)
+
+
+def quantized_buffers(
+    cfg: AveragerConfig,
+    states: tuple[AveragerState, AveragerState],
+    x: Tree,
+    masks: Tree,
+    group: tuple[tuple[str, ...], list[int]],
+    topo: Topology,
+) -> Tree:
+    """The quantized mean of ``x`` at ``masks`` over a group (its axes, as the averager
+    names them, and its members), per leaf; the members' residuals (``states[1]``) at
+    ``masks`` advanced.
+
+    Rule: "The floating leaves are flattened into one float32 buffer (with error
+    feedback, plus this replica's residual)" (leaves in tree order, a complex leaf as
+    its real then its imaginary part; with fragments only the fragment's values, the
+    residual "cut like the params for fragments"). two_level: "over a group that holds
+    inner_axis and more axes" two levels; "a mean over the node's axis alone ... is then
+    a plain float32 all-reduce, and leaves the residual alone" (and, read from the code:
+    of the values without the residual). Otherwise one level over the group.
+    """
+    state, new_state = states
+    q = cfg.quant
+    names = [k for k in sorted(x) if is_floating(x[k]) and masks[k].any()]
+
+    def flat(tree: Tree, r: int) -> np.ndarray:
+        parts = []
+        for k in names:
+            v = tree[k][r][masks[k]]
+            parts += [v.real, v.imag] if np.iscomplexobj(v) else [v]
+        return np.concatenate([p.astype(F32) for p in parts])
+
+    def unflat(buf: np.ndarray) -> Tree:
+        out, offset = {}, 0
+        for k in names:
+            n = int(masks[k].sum())
+            v = buf[offset : offset + n]
+            offset += n
+            if np.iscomplexobj(x[k]):
+                v = (v + 1j * buf[offset : offset + n]).astype(x[k].dtype)
+                offset += n
+            out[k] = v.astype(x[k].dtype)
+        return out
+
+    group_axes, members = group
+    values = np.stack([flat(x, r) for r in members])
+    if q.two_level and tuple(group_axes) == ("local",):
+        return unflat(exact_mean(values))
+    inner = 1
+    if q.two_level and "local" in group_axes and len(group_axes) > 1:
+        inner = topo.shape[topo.names.index("local")]
+    with np.errstate(invalid="ignore", over="ignore"):
+        if state.residual is not None:
+            values = values + np.stack([flat(state.residual, r) for r in members])
+        mean, residual = quantized_group_mean(values, q, inner)
+    if new_state.residual is not None:
+        for i, r in enumerate(members):
+            for k, v in unflat(residual[i]).items():
+                new_state.residual[k][r][masks[k]] = v
+    return unflat(mean)
 
 
 def average_model_state(cfg: AveragerConfig, averaged: Averaged | None, model_state: Tree) -> Tree:
@@ -655,7 +938,9 @@ def average_model_state(cfg: AveragerConfig, averaged: Averaged | None, model_st
     skipped keeps its model state; with fragments, whole at every fragment average. With
     a non-finite policy, a member whose own model state is non-finite is left out of the
     mean and receives it (never a skip of its own); a member whose params were left out
-    ("exclude") still contributes a finite model state". Integer leaves stay."""
+    ("exclude") still contributes a finite model state". Integer leaves stay. Delay:
+    "Model state ... is averaged when the average starts" (a landing moves none).
+    Quantized: model state travels "in float32 (two-level where it is)": an exact mean."""
     if averaged is None or averaged.level == 0:
         return model_state
     out = {k: v.copy() for k, v in model_state.items()}
@@ -830,6 +1115,12 @@ def _snapshot(cfg: RunConfig, rp: Replay, loss: Any) -> Snapshot:
                 snap.update(
                     {f"averager/outer_trace/{k}": v.copy() for k, v in a.outer_trace.items()}
                 )
+        for name in ("residual", "inflight_start", "inflight_mean"):
+            tree = getattr(a, name)
+            if tree is not None:
+                snap.update(
+                    {f"averager/{name}/{k}": v.copy() for k, v in tree.items() if is_floating(v)}
+                )
         if isinstance(acfg.period, str) and acfg.kind == "periodic":
             snap["averager/last_sync"] = np.full(cfg.topo.size, a.last_sync, np.int32)
     if cfg.model_state:
@@ -871,7 +1162,7 @@ def simulate(cfg: RunConfig, params0: Tree, batches: list[Batch]) -> tuple[list[
         else:
             rp, avg = _data_parallel_step(cfg, rp, grads, batch)
         snaps.append(_snapshot(cfg, rp, loss))
-        assigned.append(avg.groups if avg is not None else [])
+        assigned.append(avg.bitwise_groups if avg is not None else [])
     return snaps, assigned
 
 

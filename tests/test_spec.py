@@ -1,10 +1,12 @@
 """The executable specification: the library against the NumPy model in spec_model.py.
 
 Hypothesis draws meshes (size-1 axes and three levels included), hook and averager
-options, inner optimizers, NaN/Inf injections and step counts, runs the library in each
-of the four ways of calling it, and compares every replica's params, the optimizer-state
-leaves the model names (momentum, Adam moments, hook iter, averager step, anchor, outer
-momentum, outer_count, last_sync), model state and loss with the model after EVERY step.
+options (delayed averages and quantized means among them), inner optimizers, NaN/Inf
+injections and step counts, runs the library in each of the four ways of calling it,
+and compares every replica's params, the optimizer-state leaves the model names
+(momentum, Adam moments, hook iter, averager step, anchor, outer momentum, outer_count,
+last_sync, the quantized mean's residual, the delayed average in flight), model state
+and loss with the model after EVERY step.
 
 Profiles (env var LSGD_SPEC_PROFILE): "ci" (default: few examples, derandomized, fast)
 and "thorough" (20 times as many, random).
@@ -150,7 +152,13 @@ def build_averager(cfg: M.AveragerConfig):
         outer_skip_first=cfg.outer_skip_first,
         communication_dtype=jnp.bfloat16 if cfg.bf16 else None,
         delta=cfg.delta,
+        delay=cfg.delay,
     )
+    if cfg.quant is not None:
+        q = cfg.quant
+        options["communication"] = lsgd_jax.comm.quantized(
+            q.bits, block_size=q.block_size, error_feedback=q.error_feedback, two_level=q.two_level
+        )
     if cfg.kind == "periodic":
         period = SCHEDULE_FNS[cfg.period] if isinstance(cfg.period, str) else cfg.period
         return lsgd_jax.PeriodicModelAverager(
@@ -228,6 +236,9 @@ STATE_TYPES = (
 )
 
 
+STATE_NAMES = {"comm_state": "residual"}  # the model's names of ModelAveragerState fields
+
+
 def observe(params, opt_state, model_state=None, loss=None) -> dict[str, np.ndarray]:
     """The library's values under the names of ``spec_model._snapshot``."""
     snap = {f"params/{k}": v for k, v in params.items()}
@@ -249,6 +260,9 @@ def observe(params, opt_state, model_state=None, loss=None) -> dict[str, np.ndar
                     snap["averager/outer_count"] = x.outer_count
                 if x.last_sync is not None:
                     snap["averager/last_sync"] = x.last_sync
+                for name in ("comm_state", "inflight_start", "inflight_mean"):
+                    if getattr(x, name) is not None:
+                        floating(getattr(x, name), f"averager/{STATE_NAMES.get(name, name)}")
                 for t in jax.tree.leaves(
                     x.outer_state, is_leaf=lambda t: isinstance(t, optax.TraceState)
                 ):
@@ -276,7 +290,13 @@ def observe(params, opt_state, model_state=None, loss=None) -> dict[str, np.ndar
 
 
 def tolerance(cfg: M.RunConfig) -> float:
-    """float32: a few ulps of the values' scale; bf16 communication: a bf16 ulp or two."""
+    """float32: a few ulps of the values' scale; bf16 communication: a bf16 ulp or two.
+
+    A quantized mean is float32 too: the model replays the quantizer (deterministic:
+    absmax scales, round half to even) operation for operation, so only the order of the
+    float32 sums differs; a difference of one grid step (``scale``, about 1% of a
+    block's largest value for 8 bits) would be a real difference in the rounding.
+    """
     return 2.0**-6 if cfg.averager is not None and cfg.averager.bf16 else 2e-5
 
 
@@ -328,11 +348,19 @@ class Injection:
 
 
 SHAPES = {"a": (3,), "b": (2, 2)}
+QUANTIZED_SHAPES = {"a": (12,), "b": (4, 5)}
+"""With a quantized mean, enough values (32) that a group of 8 sends blocks of 2 or 4
+integers rather than one float32 all-reduce (which it sends for the 7 of SHAPES)."""
+
+
+def shapes(cfg: M.RunConfig) -> dict[str, tuple[int, ...]]:
+    quantized = cfg.averager is not None and cfg.averager.quant is not None
+    return QUANTIZED_SHAPES if quantized else SHAPES
 
 
 def initial_params(cfg: M.RunConfig, seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    params = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+    params = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes(cfg).items()}
     if cfg.int_leaf:
         params["n"] = np.int32(10) * np.ones((), np.int32)
     if cfg.complex_leaf:
@@ -344,8 +372,8 @@ def make_batches(cfg: M.RunConfig, steps: int, seed: int, injections) -> list[M.
     rng = np.random.default_rng(seed + 1)
     n, out = cfg.topo.size, []
     for t in range(steps):
-        c = {k: rng.uniform(0.5, 1.5, (n, *s)).astype(np.float32) for k, s in SHAPES.items()}
-        d = {k: rng.standard_normal((n, *s)).astype(np.float32) for k, s in SHAPES.items()}
+        c = {k: rng.uniform(0.5, 1.5, (n, *s)).astype(np.float32) for k, s in shapes(cfg).items()}
+        d = {k: rng.standard_normal((n, *s)).astype(np.float32) for k, s in shapes(cfg).items()}
         e = rng.standard_normal((n, 2)).astype(np.float32)
         n_inc = rng.integers(0, 5, n).astype(np.int32)
         z_inc = (rng.standard_normal((n, 2)) + 1j * rng.standard_normal((n, 2))).astype(
@@ -539,6 +567,10 @@ def check_run(cfg: M.RunConfig, steps: int, seed: int, injections=()) -> None:
 # --- strategies ---------------------------------------------------------------------------
 
 
+def rotated(options: list, turn: int) -> list:
+    return options[turn % len(options) :] + options[: turn % len(options)]
+
+
 def axis_subsets(topo: M.Topology) -> list[tuple[str, ...]]:
     """Every nonempty subset of the data axes, in mesh order."""
     names = topo.names
@@ -575,13 +607,27 @@ def hierarchies(draw, topo: M.Topology):
     return tuple(zip(periods, groups))
 
 
+QUANTS = [
+    M.QuantConfig(8, 4),
+    M.QuantConfig(4, 2, two_level=True),
+    M.QuantConfig(8, 64, error_feedback=False, two_level=True),
+    M.QuantConfig(4, 4),
+    M.QuantConfig(8, 2, two_level=True),
+]
+
+
 @st.composite
-def averagers(draw, topo: M.Topology) -> M.AveragerConfig:
+def averagers(draw, topo: M.Topology, force: str = "", turn: int = 0) -> M.AveragerConfig:
     """Supported option combinations only (the unsupported ones must raise: see
-    test_unsupported_combinations_raise_at_construction)."""
+    test_unsupported_combinations_raise_at_construction). ``force``: "delay" or
+    "quant" (or both, "delay+quant") to draw only averagers with those options; ``turn``
+    rotates the quantized strategies (what a derandomized draw tries first)."""
     kind = draw(st.sampled_from(["periodic", "hierarchical"]))
-    nonfinite = draw(st.sampled_from(["propagate", "exclude", "skip"]))
-    bf16 = draw(st.booleans()) if nonfinite == "propagate" else False
+    quant = None
+    if "quant" in force or draw(st.integers(0, 5)) == 5:  # a strategy of its own
+        quant = draw(st.sampled_from(rotated(QUANTS, turn)))
+    nonfinite = "propagate" if quant else draw(st.sampled_from(["propagate", "exclude", "skip"]))
+    bf16 = draw(st.booleans()) if nonfinite == "propagate" and not quant else False
     outer = draw(st.one_of(st.none(), st.sampled_from(OUTERS)))
     common = dict(
         warmup=draw(st.integers(0, 4)),
@@ -590,16 +636,39 @@ def averagers(draw, topo: M.Topology) -> M.AveragerConfig:
         outer_skip_first=draw(st.booleans()) if outer is not None else True,
         bf16=bf16,
         delta=draw(st.booleans()),
+        quant=quant,
     )
+
+    def delay(stride: int) -> int:
+        """0 or 1 <= tau < stride ("one average in flight at a time")."""
+        if stride < 2:
+            return 0
+        if "delay" in force:
+            return draw(st.integers(1, stride - 1))
+        return draw(st.sampled_from([0, 0, 0, *range(1, stride)]))
+
     if kind == "hierarchical":
-        return M.AveragerConfig("hierarchical", levels=draw(hierarchies(topo)), **common)
-    period = draw(st.one_of(st.integers(2, 4), st.sampled_from(sorted(M.SCHEDULES))))
+        levels = draw(hierarchies(topo))
+        return M.AveragerConfig("hierarchical", levels=levels, delay=delay(levels[-1][0]), **common)
+    if "delay" in force:
+        period = draw(st.integers(2, 4))
+    else:
+        period = draw(st.one_of(st.integers(2, 4), st.sampled_from(sorted(M.SCHEDULES))))
     fragments = 1
     if isinstance(period, int) and outer is None:
-        fragments = draw(st.sampled_from([k for k in (1, 2, 3, 4) if period % k == 0]))
+        fragments = draw(
+            st.sampled_from(
+                [k for k in (1, 2, 3, 4) if period % k == 0 and (period // k > 1 or not force)]
+            )
+        )
     process_group = draw(st.sampled_from([None, *axis_subsets(topo)]))
     return M.AveragerConfig(
-        "periodic", period=period, process_group=process_group, fragments=fragments, **common
+        "periodic",
+        period=period,
+        process_group=process_group,
+        fragments=fragments,
+        delay=delay(period // fragments) if isinstance(period, int) else 0,
+        **common,
     )
 
 
@@ -634,11 +703,15 @@ def injections(draw, cfg: M.RunConfig, steps: int):
 
 
 @st.composite
-def runs(draw, path: str):
-    """(config, steps, seed, injections) for one path."""
-    topo = draw(st.sampled_from(TOPOLOGIES))
+def runs(draw, path: str, force: str = "", turn: int = 0):
+    """(config, steps, seed, injections) for one path (``force``, ``turn``: see
+    ``averagers``; ``turn`` also rotates the meshes)."""
+    topo = draw(st.sampled_from(rotated(TOPOLOGIES, turn)))
     inner = draw(st.sampled_from(INNERS))
-    averager = draw(averagers(topo))
+    averager = draw(averagers(topo, force, turn))
+    # Refused at construction: opt-state averaged with a delay, or sent quantized.
+    no_opt_state = averager.delay > 0 or averager.quant is not None
+    opt_state_masks = ["none"] if no_opt_state else ["none", "all", "arrays"]
     extra: dict[str, Any] = {}
     hook = draw(hooks(topo))
     if path == "functional":
@@ -646,23 +719,24 @@ def runs(draw, path: str):
         if averager.outer is None and averager.fragments == 1:
             extra["complex_leaf"] = draw(st.booleans())
     if path == "optimizer":
-        extra["opt_state_mask"] = draw(st.sampled_from(["none", "all", "arrays"]))
+        extra["opt_state_mask"] = draw(st.sampled_from(opt_state_masks))
     if path == "step":
-        step_tx = draw(st.sampled_from(["model_averaging", "optimizer", "inner"]))
+        step_txs = ["model_averaging", "optimizer"] + ([] if force else ["inner"])
+        step_tx = draw(st.sampled_from(step_txs))
         extra["step_tx"] = step_tx
         if step_tx == "inner":
             averager = None
             hook = draw(st.sampled_from([None, hook]))  # None: plain DDP
-        else:
+        elif not force:
             hook = draw(st.sampled_from([hook, hook, hook, None]))  # None: must raise
         if step_tx == "optimizer":
-            extra["opt_state_mask"] = draw(st.sampled_from(["none", "all", "arrays"]))
+            extra["opt_state_mask"] = draw(st.sampled_from(opt_state_masks))
         extra["model_state"] = draw(st.booleans())
         extra["multi_steps"] = draw(st.sampled_from([1, 1, 2, 3]))
         extra["specialize"] = draw(st.sampled_from([True, True, "switch", False]))
         extra["lowering"] = draw(st.sampled_from(["shard_map", "shard_map", "jit"]))
     cfg = M.RunConfig(topo, path, hook, inner, averager, **extra)
-    steps = draw(st.integers(1, 12))
+    steps = draw(st.integers(6, 10) if force else st.integers(1, 12))
     seed = draw(st.integers(0, 2**16))
     return cfg, steps, seed, draw(injections(cfg, steps))
 
@@ -1029,6 +1103,12 @@ def test_a_state_handed_to_another_step_path_matches_the_model(tmp_path_factory,
     """Issue 17: a state made by one step path (compile mode x lowering), saved and
     restored through a checkpoint, and continued by another path, matches the model
     after every step, as an uninterrupted run does."""
+    check_handoff(tmp_path_factory, run, to, at)
+
+
+def check_handoff(tmp_path_factory, run, to: tuple, at: int) -> None:
+    """``run`` (path "step"), its state handed at step ``at`` through a checkpoint to the
+    step path ``to`` (specialize, lowering), against the model after every step."""
     cfg, steps, seed, injected = run
     if cfg.hook is None and cfg.averager is not None:
         return  # refused before anything runs (see check_run)
@@ -1040,3 +1120,27 @@ def test_a_state_handed_to_another_step_path_matches_the_model(tmp_path_factory,
     got = run_step(cfg, params0, batches, handoff=handoff)
     for t, (w, g) in enumerate(zip(want, got)):
         compare(w, g, t, tolerance(cfg))
+
+
+FORCED_PATHS = ["functional", "model_averaging", "optimizer", "step"]
+
+
+@pytest.mark.parametrize("path", FORCED_PATHS)
+@spec_settings(3)
+@given(st.data())
+def test_delayed_and_quantized_averages_match_the_model(tmp_path_factory, path, data):
+    """Issue 17: delayed averages (``delay=``: the average started at t lands at t +
+    delay on top of the local progress made meanwhile) and quantized means
+    (``comm.quantized``: blockwise integers, two stages, error feedback), each path
+    with the other options drawn alongside; the step path also hands its state, with
+    an average in flight or a residual, through a checkpoint to another step path."""
+    # Derandomized draws start alike for every path: turn the choices per path.
+    turn = FORCED_PATHS.index(path)
+    force = data.draw(st.sampled_from(rotated(["delay+quant", "quant", "delay"], turn)))
+    run = data.draw(runs(path, force, 2 * turn), label="run")
+    if path != "step":
+        check_run(*run)
+        return
+    to = data.draw(st.sampled_from(STEP_PATHS), label="to")
+    at = data.draw(st.integers(0, run[1] - 1), label="at")
+    check_handoff(tmp_path_factory, run, to, at)
