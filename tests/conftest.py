@@ -22,6 +22,7 @@ SLOW_FILES = {
     "test_examples.py",
     "test_accuracy_benchmark.py",
     "test_demo.py",
+    "test_lm_example.py",
 }
 
 

@@ -1,0 +1,96 @@
+"""examples/lm.py: a few steps of each method on a tiny model, and its data split.
+
+The runs go in one subprocess with XLA's CPU backend optimizations off: each method
+compiles one program per phase (DDP one, post-local SGD three), and compiling dominates
+at these sizes.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from test_examples import ROOT, load_example
+
+STEPS, START, H = 12, 4, 4
+RUNS = f"ddp,local{H},diloco{H}:bits4:delay1"
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lm") / "records.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3")
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    cmd = [sys.executable, str(ROOT / "examples" / "lm.py"), "--quick", "--no-progress"]
+    cmd += ["--steps", str(STEPS), "--start", str(START), "--compare", RUNS, "--json", str(out)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+    assert [x["method"] for x in lines] == RUNS.split(",")  # one JSON line per run
+    return {r["method"]: r for r in json.loads(out.read_text())}
+
+
+def test_every_method_learns(records):
+    for name, r in records.items():
+        h = r["history"]
+        assert len(h["loss"]) == STEPS and h["eval_step"] == [0, 4, 8, 12]
+        assert np.isfinite(h["loss"]).all(), name
+        # ln 256 = 5.55 nats at the start; the loss falls over the 12 steps
+        assert np.mean(h["loss"][-3:]) < np.mean(h["loss"][:3]) - 0.2, (name, h["loss"])
+        assert h["val_loss"][-1] < h["val_loss"][0] - 0.2, (name, h["val_loss"])
+
+
+def test_ddp_and_local_agree_before_the_switch(records):
+    ddp, local = records["ddp"]["history"], records[f"local{H}"]["history"]
+    # Gradients averaged over all replicas: the same numbers, bit for bit, until the
+    # switch (the loss of step START is computed on the params the warm-up made).
+    assert ddp["loss"][: START + 1] == local["loss"][: START + 1]
+    assert ddp["val_loss"][:2] == local["val_loss"][:2]  # steps 0 and START
+    assert ddp["loss"][START + 1 :] != local["loss"][START + 1 :]  # then they part
+
+
+def test_cross_node_bytes_fall_by_the_period(records):
+    def after_switch(r):
+        b = r["history"]["cross_node_bytes"]  # cumulative, per device
+        return b[-1] - b[START - 1]
+
+    ddp, local = records["ddp"], records[f"local{H}"]
+    assert (
+        ddp["history"]["cross_node_bytes"][:START] == local["history"]["cross_node_bytes"][:START]
+    )
+    ratio = after_switch(local) / after_switch(ddp)
+    assert abs(ratio - 1 / H) < 0.01, ratio  # an average every H steps; plus the loss
+    # 4-bit two-level averages send a fraction of the float32 ones
+    assert after_switch(records[f"diloco{H}:bits4:delay1"]) < 0.5 * after_switch(local)
+    # emulated time: compute plus bytes over the link; fewer bytes, less link time
+    for r in records.values():
+        link = r["emulated_s"] - STEPS * r["compute_s_per_step"]
+        assert link > 8 * r["cross_node_bytes"] / (r["link_mbit"] * 1e6) - 1e-9
+    assert records["ddp"]["params"] == local["params"] > 10_000
+
+
+def test_split_is_deterministic_and_held_out():
+    lm = load_example("lm")
+    a, b = lm.load_corpus(0.3), lm.load_corpus(0.3)
+    assert a.train_files == b.train_files and a.val_files == b.val_files
+    assert np.array_equal(a.train, b.train) and np.array_equal(a.val, b.val)
+    assert a.val_files and not set(a.train_files) & set(a.val_files)
+    assert all(lm.is_held_out(f) for f in a.val_files)
+    assert not any(lm.is_held_out(f) for f in a.train_files)
+    assert 0.3e6 <= len(a.train) < 0.3e6 + 2e6 and len(a.val) >= 0.03e6
+    stdlib = pathlib.Path(lm.sysconfig.get_paths()["stdlib"])
+    assert len(a.train) == sum((stdlib / f).stat().st_size for f in a.train_files)
+    windows = lm.validation_windows(a.val, 8, 32)
+    assert windows.shape == (8, 33) and windows.max() < 256
+
+
+def test_method_names():
+    lm = load_example("lm")
+    assert lm.parse_method("diloco") == lm.Method("diloco", 32)
+    assert lm.parse_method("local", period=8, bits=4) == lm.Method("local", 8, 4)
+    assert lm.parse_method("local32:bits4:delay1").name == "local32:bits4:delay1"
+    with pytest.raises(ValueError, match="unknown method"):
+        lm.parse_method("adam")
