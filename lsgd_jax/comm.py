@@ -499,9 +499,9 @@ def quantized(
     ``1 / size(inner_axis)`` of the buffer, as integers), a float32 all-gather inside
     the node. The residual is then this device's shard's: zero elsewhere (and where in
     the node it sits does not matter: the node sums it first). A group without
-    ``inner_axis`` (a node-local level) takes the one-level path. An
-    :class:`~lsgd_jax.IndexGroups` group (``pmap``) uses the one-level path with
-    ``axis_index_groups``. An ``inner_axis`` that is not a mesh axis where the mean runs
+    ``inner_axis`` (e.g. ``("node",)``: one device of each node) takes the one-level
+    path. An :class:`~lsgd_jax.IndexGroups` group (``pmap``) uses the one-level path
+    with ``axis_index_groups``. An ``inner_axis`` that is not a mesh axis where the mean runs
     is an error (a misspelling would otherwise quietly send every mean in one level).
 
     NaN and Inf propagate: a non-finite value makes its block's scale NaN, so that block
