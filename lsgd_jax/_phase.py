@@ -126,7 +126,7 @@ def counters_snapshot(opt_state: Any) -> list[Any]:
     out = []
     for state in branching_states(opt_state):
         if isinstance(state, PostLocalSGDState):
-            out.append(state.replace(iter=_first(state.iter)))
+            out.append(state.replace(iter=_first(state.iter), comm_state=None))
         else:
             last = _first(state.last_sync) if state.last_sync is not None else None
             out.append(

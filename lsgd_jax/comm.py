@@ -490,8 +490,9 @@ def quantized(
     (and that, with updates smaller than half a step of the grid, loses them entirely).
     The residual is the strategy's state: an averager keeps it params-shaped in
     ``ModelAveragerState.comm_state`` (created by ``averager.init(params)``, cut like the
-    params for fragments, checkpointed with the rest). The hook keeps no such state; use
-    ``error_feedback=False`` there.
+    params for fragments, checkpointed with the rest); the hook keeps it shaped like the
+    gradients in ``PostLocalSGDState.comm_state`` (created by
+    ``post_local_sgd(...).init(params)``) and sends whichever mean it takes with it.
 
     ``two_level=True``: over a group that holds ``inner_axis`` and more axes, a float32
     reduce-scatter inside the node (exact and node-local), the quantized mean across
@@ -513,7 +514,8 @@ def quantized(
       block_size: values per scale, a positive int (even for 4 bits), at most 2**24.
         Smaller blocks follow the values' magnitudes more closely and cost ``4 /
         block_size`` bytes per value.
-      error_feedback: keep the residual (needs ``averager.init(params)``).
+      error_feedback: keep the residual (needs the params at init:
+        ``averager.init(params)``, ``post_local_sgd(...).init(params)``).
       two_level: reduce inside the node in float32 first; quantize only across nodes.
         A mean over the node's axis alone (a hierarchy's node level) is then a plain
         float32 all-reduce, and leaves the residual alone.
