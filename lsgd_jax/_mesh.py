@@ -130,7 +130,13 @@ def _num_replicas(mesh: Mesh, axes: tuple[str, ...]) -> int:
     return int(np.prod([mesh.shape[a] for a in axes]))
 
 
-def replicate(tree: Any, mesh: Mesh, axes: Sequence[str] | None = None) -> Any:
+def replicate(
+    tree: Any,
+    mesh: Mesh,
+    axes: Sequence[str] | None = None,
+    *,
+    shard_over: str | Sequence[str] | None = None,
+) -> Any:
     """One copy of ``tree`` per data-parallel replica, sharded over the data axes.
 
     Each leaf gets a leading replica axis of size ``prod(mesh.shape[a] for a in axes)``,
@@ -138,10 +144,18 @@ def replicate(tree: Any, mesh: Mesh, axes: Sequence[str] | None = None) -> Any:
     since replicas diverge between averages. Inside ``jax.shard_map`` with
     ``in_specs=P(axes)`` each device sees a leading axis of size 1 (take ``x[0]``).
 
+    With ``shard_over`` a replica spans the devices of those (non-data) mesh axes and
+    each leaf is split over them instead of copied whole onto each: its largest
+    dimension that divides by their size (the first, on a tie; a leaf with none stays
+    whole). Lay out params, optimizer state (whose averager state then follows the
+    params' shards) and model state alike, and build the step with
+    ``data_parallel_step(..., fsdp_axes=shard_over)``.
+
     Args:
       tree: a pytree of arrays (the same on every process).
       mesh: the mesh, e.g. from :func:`make_mesh`.
       axes: the data axes; default :func:`data_axes` of ``mesh``.
+      shard_over: FSDP axes inside each replica (None: each device holds whole leaves).
 
     Returns:
       The pytree with replicated, sharded leaves.
@@ -151,16 +165,25 @@ def replicate(tree: Any, mesh: Mesh, axes: Sequence[str] | None = None) -> Any:
       >>> mesh = lsgd_jax.make_mesh(2, 4)
       >>> lsgd_jax.replicate({"w": jnp.ones(3)}, mesh)["w"].shape
       (8, 3)
+      >>> w = lsgd_jax.replicate(jnp.ones((3, 8)), mesh, axes=("node",), shard_over="local")
+      >>> w.shape, w.sharding.spec, w.addressable_shards[0].data.shape
+      ((2, 3, 8), P('node', None, 'local'), (1, 3, 2))
     """
     from jax.sharding import NamedSharding, PartitionSpec
 
+    from lsgd_jax import _fsdp
+
     axes = tuple(axes) if axes is not None else data_axes(mesh)
-    sharding = NamedSharding(mesh, PartitionSpec(axes))
+    inside = _fsdp.check_axes(mesh, axes, shard_over, "replicate: shard_over")
     n = _num_replicas(mesh, axes)
 
     def one(x):
-        host = np.asarray(x)[None]
-        return jax.make_array_from_callback((n, *host.shape[1:]), sharding, lambda _: host)
+        host = np.asarray(x)
+        spec = PartitionSpec(axes, *_fsdp.leaf_spec(host.shape, mesh, inside))
+        full = np.broadcast_to(host[None], (n, *host.shape))
+        return jax.make_array_from_callback(
+            full.shape, NamedSharding(mesh, spec), lambda index: full[index]
+        )
 
     return jax.tree.map(one, tree)
 

@@ -21,7 +21,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from lsgd_jax import _step_inputs, _step_program, _validate
+from lsgd_jax import _fsdp, _step_inputs, _step_program, _validate
 from lsgd_jax._mesh import _num_replicas, data_axes
 from lsgd_jax._phase_plan import PhasePlan
 from lsgd_jax._step_program import MAX_PHASES, StepSpec, averager_states
@@ -45,6 +45,7 @@ def data_parallel_step(
     lowering: str = "shard_map",
     overlap: bool | None = None,
     compile_ahead: int = 4,
+    fsdp_axes: str | Sequence[str] | None = None,
 ) -> DataParallelStep:
     """A jitted, donated ``shard_map`` training step over per-replica params and state.
 
@@ -149,6 +150,15 @@ def data_parallel_step(
         run, so that a new phase does not stall its first step to compile (it waits
         only for what is left of that compile). 0: each phase compiles when it first
         occurs. ``step.compile(..., num_steps=N)`` compiles them all up front instead.
+      fsdp_axes: mesh axes (not data axes) over which each replica spans devices, its
+        params, model state, optimizer state and averager state sharded over them as
+        ``replicate(..., shard_over=fsdp_axes)`` lays them out (FSDP / ZeRO-3 inside a
+        replica): the step gathers a replica's params for the loss, splits the
+        replica's rows of the batch over these axes, and reduces the gradients back
+        onto the shards; every mean across replicas then moves one shard per device.
+        The numbers are those of the unsharded run up to float rounding. Needs
+        ``lowering="shard_map"``. None: each replica's values whole on its devices (a
+        further model axis is left to the compiler, as said under ``mesh``).
       check_in_sync_every: on the first call and then every this many calls, run
         :func:`assert_replicas_in_sync` on the incoming optimizer state, so that replicas
         or processes whose step counters differ fail with an error instead of hanging
@@ -207,7 +217,14 @@ def data_parallel_step(
             ("donate", donate),
         )
     )
-    spec = StepSpec(loss_fn, tx, mesh, axes, has_aux, with_model_state, donate, lowering)
+    fsdp = _fsdp.check_axes(mesh, axes, fsdp_axes, "data_parallel_step: fsdp_axes")
+    if fsdp and lowering != "shard_map":
+        raise ValueError(
+            f"data_parallel_step: fsdp_axes={fsdp_axes!r} needs lowering='shard_map' (got "
+            f"{lowering!r}); with lowering='jit', shard the params over a model axis "
+            "yourself and leave it to the compiler."
+        )
+    spec = StepSpec(loss_fn, tx, mesh, axes, has_aux, with_model_state, donate, lowering, fsdp)
     return DataParallelStep(
         spec,
         specialize=specialize,
@@ -412,7 +429,13 @@ class DataParallelStep(_AheadOfTime):
         self._calls += 1
         if not self._outputs.same(params, model_state, opt_state):  # else: checked, alive
             self._check(params, model_state, opt_state)
-        _step_inputs.check_batch(batch, self._replicas, self._spec.axes, self._mesh_processes)
+        _step_inputs.check_batch(
+            batch,
+            self._replicas,
+            self._spec.axes,
+            self._mesh_processes,
+            _fsdp.size(self._spec.mesh, self._spec.fsdp_axes),
+        )
         mode = self._plan.mode(opt_state)
         self._wait_for_compile(mode)
         params, model_state, opt_state, loss, aux, ok = self._program(mode)(

@@ -88,14 +88,16 @@ class Identity:
         )
 
 
-def check_batch(batch: Any, n: int, axes: tuple[str, ...], processes: int) -> None:
+def check_batch(batch: Any, n: int, axes: tuple[str, ...], processes: int, split: int = 1) -> None:
+    """The batch splits evenly over ``n`` replicas (and ``split`` FSDP devices in each)."""
     for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
         shape = jnp.shape(x)
-        if not shape or shape[0] % n:
+        if not shape or shape[0] % (n * split):
+            inside = f" times the {split} devices of each (fsdp_axes)" if split > 1 else ""
             raise ValueError(
                 f"data_parallel_step: batch leaf {_path_name(path)} has shape {shape}; its "
-                f"leading (batch) axis must divide by the {n} replicas. Use a global batch "
-                f"size that is a multiple of {n}."
+                f"leading (batch) axis must divide by the {n} replicas{inside}. Use a "
+                f"global batch size that is a multiple of {n * split}."
             )
         if processes > 1 and not (isinstance(x, jax.Array) and not x.is_fully_addressable):
             warnings.warn(

@@ -27,7 +27,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lsgd_jax import _collectives, _outer, _pairing, _phase
+from lsgd_jax import _collectives, _fsdp, _outer, _pairing, _phase
 from lsgd_jax._averager_state import ModelAveragerState
 from lsgd_jax._mesh import _num_replicas
 
@@ -117,9 +117,27 @@ class StepSpec:
     with_model_state: bool
     donate: bool
     lowering: str = "shard_map"
+    fsdp_axes: tuple[str, ...] = ()
 
     def gradients(self, params: Any, model_state: Any, batch: Any) -> tuple:
-        """``(loss, aux, grads, new model state)`` of this replica's loss."""
+        """``(loss, aux, grads, new model state)`` of this replica's loss.
+
+        With FSDP axes the replica's params and model state are gathered for the loss,
+        its rows split over those axes, and the gradients (and new model state) reduced
+        back onto their shards.
+        """
+        if self.fsdp_axes:
+            loss, aux, grads, model_state = self._gradients(
+                _fsdp.gather(params),
+                _fsdp.gather(model_state),
+                _fsdp.split_rows(batch, self.fsdp_axes),
+            )
+            back = (grads, model_state)
+            grads, model_state = _fsdp.scatter(back, self.mesh, self.fsdp_axes)
+            return loss, aux, grads, model_state
+        return self._gradients(params, model_state, batch)
+
+    def _gradients(self, params: Any, model_state: Any, batch: Any) -> tuple:
         value_and_grad = jax.value_and_grad(
             self.loss_fn, has_aux=self.has_aux or self.with_model_state
         )
