@@ -7,15 +7,18 @@ per live replica (the step counters are in the optimizer state), as checkpoint `
 the format of :func:`~lsgd_jax.save_checkpoint`. The save is part of the step's
 attempt: the live processes gather the replicas (a collective of the attempt, so a
 death fails it and the attempt, save included, runs again over the survivors), and the
-lowest live process writes them with orbax, asynchronously (the write overlaps the
-step; it is waited for before this process's next save and at the end of the run).
+lowest live process hands them to a writer process of its own, which writes them with
+orbax while training goes on (asynchronously: never waited for inside a step, where
+the others' collectives would time out; ``ElasticLoop.shutdown`` and the process's
+exit wait for it).
 
-Atomic across a membership change: orbax writes into ``<k>.orbax-checkpoint-tmp`` and
-renames it to ``<k>`` once complete; only such finalized folders count as steps
-(:func:`latest_step`). A writer that dies mid-save leaves the temporary folder, which
-is never listed; the retried attempt (or the next save) writes the step anew (orbax
-removes a stale temporary folder of its step first). A step already finalized (by an
-attempt that failed after its save) is not written twice.
+Atomic across a membership change: the writer saves into a staging folder of its own
+(``.lsgd-staging-<k>-<pid>``; orbax finalizes the step there) and then renames the
+finalized folder to ``<k>``; only folders named by a step alone are checkpoints
+(:func:`latest_step`). A writer killed mid-save leaves its staging folder, which is
+never listed; the retried attempt (or the next save) writes the step anew, and if two
+writers of one step both finish, the first rename wins. A step already finalized is
+not written again.
 
 :meth:`Checkpoints.resume` restores the newest finalized step at the start of a job
 (no membership recorded yet in the coordination service's store): every process
@@ -26,8 +29,10 @@ processes than the one that saved.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
 from typing import Any
 
 import jax
@@ -106,17 +111,25 @@ def latest_step(directory: str | os.PathLike) -> int | None:
 
 def _gathered(state: Any) -> dict[str, Any]:
     """Every replica's state on this process, as numpy arrays (a collective of the live
-    processes: a death fails it). Orbax writes numpy leaves from the primary process
-    alone; a restore reads them onto any sharding."""
+    processes: a death fails it, with a JaxRuntimeError like any collective of a step,
+    so that the attempt is retried)."""
     from jax.experimental import multihost_utils
 
     params, opt_state = state
-    tree = multihost_utils.process_allgather({"params": params, "opt_state": opt_state}, True)
+    try:
+        tree = multihost_utils.process_allgather({"params": params, "opt_state": opt_state}, True)
+    except ValueError as e:  # gloo's failed all-gather ("UNKNOWN: Gloo AllGather failed")
+        if "Gloo" not in str(e) and not str(e).startswith(_STATUS):
+            raise
+        raise jax.errors.JaxRuntimeError(str(e)) from e
     return jax.tree.map(np.asarray, tree)
 
 
+_STATUS = ("UNKNOWN:", "INTERNAL:", "DEADLINE_EXCEEDED:", "UNAVAILABLE:", "ABORTED:")
+
+
 class Checkpoints:
-    """The checkpoints of one elastic loop: when to save, the pending write, resume.
+    """The checkpoints of one elastic loop: when to save, the writes in flight, resume.
 
     Args:
       directory: the folder (one subfolder per saved step).
@@ -125,7 +138,8 @@ class Checkpoints:
 
     def __init__(self, directory: str, every: int) -> None:
         self.directory, self.every = directory, every
-        self._pending: Any = None  # (manager, step folder) of this process's write
+        self._pending: list[tuple[Any, str, int]] = []  # (writer, staging, step)
+        atexit.register(self.wait)  # a writer ends with this process: let it finish
 
     def due(self, step: int) -> bool:
         """Whether the attempt at ``step`` saves: the same answer on every process, a
@@ -135,14 +149,15 @@ class Checkpoints:
 
     def save(self, state: Any, step: int, processes: tuple[int, ...]) -> None:
         """Inside an attempt: gathers the live replicas and, on the lowest live process,
-        starts writing checkpoint ``step`` (unless it is already finalized)."""
-        self.wait()  # before the gather: no two writes of one step overlap
+        starts a writer of checkpoint ``step`` (unless it is finalized or being
+        written). Never waits for a writer: that would keep this process from the
+        attempt's collectives (the others' would time out)."""
+        self.poll()
         tree = _gathered(state)
-        if jax.process_index() != min(processes):
+        if jax.process_index() != min(processes) or finalized(self.directory, step):
             return
-        if finalized(self.directory, step):
-            return
-        ocp = _checkpoint._ocp()
+        if any(s == step for _, _, s in self._pending):
+            return  # this process's writer of this step is still at it
         paths, leaves, treedef = _checkpoint._flatten(tree)
         manifest = {
             "paths": paths,
@@ -152,45 +167,33 @@ class Checkpoints:
             "static": _config.static_config(tree),
             "skeleton": _config.skeleton(tree),
         }
-        arrays = dict(zip(_checkpoint._leaf_names(len(leaves)), leaves))
-        me = jax.process_index()
-        os.makedirs(self.directory, exist_ok=True)  # (orbax's create=True needs all processes)
-        options = ocp.CheckpointManagerOptions(
-            create=False,
-            enable_async_checkpointing=True,
-            multiprocessing_options=ocp.options.MultiprocessingOptions(
-                primary_host=me, active_processes={me}, barrier_sync_key_prefix=f"lsgd{me}"
-            ),
-        )
-        manager = ocp.CheckpointManager(
-            self.directory, options=options, item_names=(_checkpoint._ARRAYS, _checkpoint._MANIFEST)
-        )
-        args = {
-            _checkpoint._ARRAYS: ocp.args.StandardSave(arrays),
-            _checkpoint._MANIFEST: ocp.args.JsonSave(manifest),
-        }
-        manager.save(step, args=ocp.args.Composite(**args), force=True)
-        self._pending = (manager, _files.step_dir(self.directory, step))
+        child, staging = _start_writer(self.directory, step, leaves, manifest)
+        self._pending.append((child, staging, step))
+
+    def poll(self, block: bool = False) -> None:
+        """Reaps this process's finished writers (all of them, waiting, with ``block``);
+        RuntimeError with the writer's output if one failed."""
+        for entry in list(self._pending):
+            child, staging, step = entry
+            code = child.wait() if block else child.poll()
+            if code is None:
+                continue
+            self._pending.remove(entry)
+            if code != 0:
+                raise _failed(self.directory, step, staging, code)
+            logger.info("lsgd_jax.elastic: saved checkpoint %d in %s", step, self.directory)
 
     def wait(self) -> None:
-        """Waits for this process's write in flight (if any) to be finalized, then
-        records its files' sizes (the check of :func:`latest_step`)."""
-        if self._pending is None:
-            return
-        manager, step_dir = self._pending
-        self._pending = None
-        try:
-            manager.wait_until_finished()
-        finally:
-            manager.close()
-        if os.path.isdir(step_dir):
-            _files.write_file_sizes(step_dir)
-            logger.info("lsgd_jax.elastic: saved checkpoint %s", step_dir)
+        """Waits for this process's writers in flight (at the end, outside any step)."""
+        self.poll(block=True)
 
-    def resume(self, init_params: Any, tx: Any) -> tuple[int, tuple[Any, Any]] | None:
+    def resume(
+        self, init_params: Any, tx: Any, num_steps: Any
+    ) -> tuple[int, tuple[Any, Any]] | None:
         """At the start of a job: ``(step, (params, opt_state))`` restored from the newest
         finalized step (the one process 0 found), or None when there is none. A
-        collective of all the job's processes."""
+        collective of all the job's processes. ValueError if that step is at or past
+        ``num_steps`` (nothing left to run)."""
         from jax.experimental import multihost_utils
 
         from lsgd_jax._mesh import replicate
@@ -199,6 +202,12 @@ class Checkpoints:
         step = int(multihost_utils.broadcast_one_to_all(np.int32(-1 if found is None else found)))
         if step < 0:
             return None
+        if _validate._is_int(num_steps) and step >= num_steps:
+            raise ValueError(
+                f"ElasticLoop.run: checkpoint_dir {self.directory!r} holds step {step}, at or "
+                f"past num_steps={num_steps}: nothing left to run. Pass a larger num_steps "
+                "to train on, or another checkpoint_dir to start afresh."
+            )
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         mesh = Mesh(np.array(devices).reshape(jax.process_count(), -1), ("node", "local"))
         target = {
@@ -212,6 +221,82 @@ class Checkpoints:
         return step, (tree["params"], tree["opt_state"])
 
 
+def _start_writer(directory: str, step: int, leaves: list[Any], manifest: dict) -> Any:
+    """Starts the process that writes checkpoint ``step``; returns ``(process, its
+    staging folder)``.
+
+    Orbax writes numpy leaves from process 0 of a ``jax.distributed`` job only, and the
+    writer may be any live process: so a child process, a single-process JAX on CPU,
+    writes them (asynchronously: the step goes on meanwhile) with orbax into a staging
+    folder of its own, ``.lsgd-staging-<step>-<pid>`` (never a step's name), and then
+    renames the finalized step folder to ``<step>``: atomic, and the first writer of a
+    step wins (if two writers of one step both finish, the later rename fails and its
+    copy is dropped). The child outlives a trainer that dies: the state it was given is
+    a whole checkpoint of its step, and it finishes writing it.
+    """
+    import pickle
+    import subprocess
+    import sys
+
+    staging = os.path.join(directory, f".lsgd-staging-{step}-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    with open(os.path.join(staging, "state.pkl"), "wb") as f:
+        pickle.dump({"leaves": leaves, "manifest": manifest}, f, protocol=5)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    for name in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES"):
+        env.pop(name, None)
+    cmd = [sys.executable, "-m", "lsgd_jax._elastic_checkpoint", staging, directory, str(step)]
+    with open(os.path.join(staging, "writer.log"), "wb") as log:
+        child = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return child, staging
+
+
+def write_staged(staging: str, directory: str, step: int) -> None:
+    """The writer process's work: the staged state as checkpoint ``step`` (see
+    :func:`_start_writer`), then the staging folder is removed."""
+    import pickle
+
+    with open(os.path.join(staging, "state.pkl"), "rb") as f:
+        staged = pickle.load(f)
+    leaves, ocp = staged["leaves"], _checkpoint._ocp()
+    arrays = dict(zip(_checkpoint._leaf_names(len(leaves)), leaves))
+    items = {
+        _checkpoint._ARRAYS: ocp.args.StandardSave(arrays),
+        _checkpoint._MANIFEST: ocp.args.JsonSave(staged["manifest"]),
+    }
+    out = os.path.join(staging, "ckpt")
+    options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
+    names = (_checkpoint._ARRAYS, _checkpoint._MANIFEST)
+    with ocp.CheckpointManager(out, options=options, item_names=names) as manager:
+        manager.save(step, args=ocp.args.Composite(**items), force=True)
+        manager.wait_until_finished()
+    written = os.path.join(out, str(step))
+    _files.write_file_sizes(written)
+    try:
+        os.rename(written, _files.step_dir(directory, step))
+    except OSError:  # another writer finalized this step first: its copy stands
+        pass
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def _failed(directory: str, step: int, staging: str, code: int) -> RuntimeError:
+    log = os.path.join(staging, "writer.log")
+    text = open(log, errors="replace").read()[-2000:] if os.path.exists(log) else ""
+    return RuntimeError(
+        f"lsgd_jax.elastic: writing checkpoint {step} into {directory!r} failed (exit "
+        f"status {code}); the writer's output ends:\n{text}"
+    )
+
+
 def finalized(directory: str, step: int) -> bool:
     """Whether checkpoint ``step`` is finalized under ``directory``."""
     return os.path.isdir(_files.step_dir(directory, step))
+
+
+if __name__ == "__main__":  # the writer process: STAGING DIRECTORY STEP
+    import sys
+
+    write_staged(sys.argv[1], sys.argv[2], int(sys.argv[3]))

@@ -483,7 +483,8 @@ class ElasticLoop:
         of it (step 0 excepted), in the format of :func:`~lsgd_jax.save_checkpoint`;
         needs ``checkpoint_dir``. The live processes save it (the lowest writes,
         asynchronously); a death during a save leaves the previous checkpoints
-        readable and the save is done again over the survivors.
+        readable and the save is done again over the survivors. Call :meth:`shutdown`
+        at the end: it waits for this process's writes in flight.
 
     Example:
       >>> import lsgd_jax.elastic as elastic
@@ -561,6 +562,10 @@ class ElasticLoop:
     ) -> ElasticResult:
         """Trains until step ``num_steps`` through failures and rejoins.
 
+        With ``checkpoint_dir``, a job's first ``run`` (no ``initial_state``, and no
+        running job to join) resumes from the folder's newest finalized checkpoint, the
+        step process 0 finds, on whatever number of processes this job has.
+
         Args:
           num_steps: the step to stop at (a joining process stops there too).
           first_step: the step to start from: 0, or the step of the state passed as
@@ -576,6 +581,8 @@ class ElasticLoop:
         Raises:
           SystemExit: with status 0, after one line saying so, in a process that
             (re)started after the run reached ``num_steps`` (nothing left to join).
+          ValueError: a bad argument; or the checkpoint to resume from is at or past
+            ``num_steps``.
 
         Example:
           >>> first = loop.run(100)  # doctest: +SKIP
@@ -585,7 +592,7 @@ class ElasticLoop:
         attempts = self._attempts
         ran = attempts.view is not None
         if self._checkpoints is not None and _fresh_job(initial_state, first_step, ran):
-            resumed = self._checkpoints.resume(self._init_params, self._tx)
+            resumed = self._checkpoints.resume(self._init_params, self._tx, num_steps)
             if resumed is not None:
                 first_step, initial_state = resumed
         state = _start_state(num_steps, first_step, initial_state, ran, self._init_params, self._tx)
@@ -610,7 +617,7 @@ class ElasticLoop:
             step += 1
         self._step, attempts.last_step = step, None
         if self._checkpoints is not None:
-            self._checkpoints.wait()
+            self._checkpoints.poll()  # a failed write is an error (shutdown waits for them)
         _membership.mark_finished(step)
         assert state is not None and self.layout is not None  # num_steps >= 1 ran
         return ElasticResult(state[0], state[1], self.layout, records)
@@ -635,7 +642,8 @@ class ElasticLoop:
         return out
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Leaves the run cleanly (:func:`shutdown` over this loop's live processes).
+        """Leaves the run cleanly (:func:`shutdown` over this loop's live processes), once
+        this process's checkpoint writers in flight are done.
 
         Args:
           timeout_s: how long process 0 waits for the others to say they are done (when
@@ -644,6 +652,8 @@ class ElasticLoop:
         Returns:
           None.
         """
+        if self._checkpoints is not None:
+            self._checkpoints.wait()  # this process's checkpoint writers finish first
         shutdown(self.layout.processes if self.layout else (), timeout_s)
 
 

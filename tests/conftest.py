@@ -17,6 +17,7 @@ jax.config.update("jax_platforms", "cpu")
 SLOW_FILES = {
     "test_multiprocess.py",
     "test_elastic.py",
+    "test_elastic_checkpoint.py",
     "test_launch_local.py",
     "test_notebook.py",
     "test_examples.py",
