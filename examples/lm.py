@@ -33,7 +33,8 @@ wall-clock time on a slow link between the two nodes::
     time(s) = s * c + 8 * W(s) / rate + M(s) * latency
 
 where ``c`` is the measured compute time of a step (the median step time of the run; on
-simulated devices a collective is a memory copy), ``W(s)`` the cross-node wire bytes one
+simulated devices a collective is a memory copy; ``--compute-ms`` sets it instead, e.g.
+to compare runs measured under different loads), ``W(s)`` the cross-node wire bytes one
 device has sent by step ``s`` (``ledger.per_step(wire=True)``: a ring all-reduce sends
 ``2 (g - 1) / g`` times its input), ``M(s)`` the number of cross-node collectives run by
 then (each pays one ``latency``), ``rate`` ``--link-mbit`` (100 Mbit/s) and ``latency``
@@ -360,11 +361,19 @@ def train(method: Method, setup: Setup, progress: bool = True) -> dict[str, Any]
     return make_record(method, ledger, losses, seconds, evals, a, params0)
 
 
-def make_record(method, ledger, losses, seconds, evals, a, params0) -> dict[str, Any]:
+def make_record(
+    method: Method,
+    ledger: Any,
+    losses: list[float],
+    seconds: list[float],
+    evals: list[tuple[int, float]],
+    a: argparse.Namespace,
+    params0: Any,
+) -> dict[str, Any]:
     """The run's record: final numbers, per-step and per-evaluation histories."""
     across = np.cumsum(ledger.per_step("across"))
     wire, messages = ledger.per_step("across", wire=True), cross_node_messages(ledger)
-    compute = statistics.median(seconds)
+    compute = a.compute_ms / 1e3 if a.compute_ms else statistics.median(seconds)
     emulated = emulated_seconds(compute, wire, messages, a.link_mbit, a.latency_ms)
     eval_step = [s for s, _ in evals]
     at = lambda series, s: float(series[s - 1]) if s else 0.0  # noqa: E731
@@ -448,6 +457,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--link-mbit", type=float, default=100.0)
     p.add_argument("--latency-ms", type=float, default=1.0)
+    p.add_argument(
+        "--compute-ms", type=float, default=0.0, help="step compute time (default: measured)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default="", help="write the comparison plot here (png)")
     p.add_argument("--json", default="", help="write the records (with histories) here")
