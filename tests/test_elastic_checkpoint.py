@@ -215,3 +215,29 @@ def jax_leaves(tree):
     import jax
 
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--checkpoint-every", "3"], "--checkpoint-dir and --checkpoint-every go together"),
+        (["--max-restarts", "-1"], "--max-restarts must be 0 or more, got -1"),
+        (
+            ["--max-restarts", "1", "--no-coordinator-process"],
+            "--max-restarts and --kill-coordinator need the coordinator process",
+        ),
+    ],
+)
+def test_the_example_refuses_checkpoint_options_that_do_not_fit(args, message):
+    import subprocess
+
+    from multiprocess import worker_env
+
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        env=worker_env(),
+        timeout=60,
+    )
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
