@@ -139,7 +139,7 @@ class Checkpoints:
     def __init__(self, directory: str, every: int) -> None:
         self.directory, self.every = directory, every
         self._pending: list[tuple[Any, str, int]] = []  # (writer, staging, step)
-        atexit.register(self.wait)  # a writer ends with this process: let it finish
+        atexit.register(self.wait)  # a normal exit waits for (and reports) the writers
 
     def due(self, step: int) -> bool:
         """Whether the attempt at ``step`` saves: the same answer on every process, a
