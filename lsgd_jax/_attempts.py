@@ -235,10 +235,13 @@ class Attempts:
             state = _heal.heal(params, opt_state, layout.mesh, AXES, joining, me == source)
         return state, step
 
-    def _body(self, members, state, step: int, work: Callable[..., Any]):
+    def _body(self, members, state, step: int, work: Callable[..., Any], label: str):
         """The attempt inside the barrier: agree, adopt, work. Returns ``(out, step, view,
-        layout, changed)``."""
+        layout, changed)``. The watchdog times what follows the agreement: waiting for
+        the membership's leader (bounded by the agreement's own timeout) is not a stall
+        of this process."""
         view = self._membership.agree(members, step, jax.process_index(), self.view)
+        self._watchdog.arm(f"{label} (step {step})")
         changed = self.view is None or view.epoch != self.view.epoch
         if changed and self.view is not None:  # did one leave because of a user error?
             _membership.raise_user_error(sorted(set(self.view.processes) - set(view.processes)))
@@ -264,11 +267,10 @@ class Attempts:
         # add an entry barrier that a newcomer's first barrier could pair with instead.)
         with mh.live_devices(jax.devices()):
             members = _live_members()
-            # The watchdog times the body only: waiting in the barrier for a peer's
-            # failure to be detected is not a stall of this process.
-            self._watchdog.arm(f"{label} (step {step})")
+            # The watchdog times the body only (from the agreement on): waiting in the
+            # barrier for a peer's failure to be detected is not a stall of this process.
             try:
-                out, step, view, layout, changed = self._body(members, state, step, work)
+                out, step, view, layout, changed = self._body(members, state, step, work, label)
             except Exception as e:
                 if not (peer_gone(e) or isinstance(e, (RunEndedError, CoordinatorLostError))):
                     # Before the barrier: the others read it once their attempt fails.

@@ -82,6 +82,8 @@ _GPU_FLAGS = (
     "--xla_gpu_nccl_async_execution=true",
     "--xla_gpu_nccl_blocking_communicators=false",
 )
+# What initialize() set, for the checks of how the timeouts relate (ElasticLoop's).
+_TIMEOUTS: dict[str, int] = {}
 _GPU_ENV = {
     "XLA_PYTHON_CLIENT_ABORT_COLLECTIVES_ON_FAILURE": "1",
     "XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": "1",
@@ -171,6 +173,9 @@ def initialize(
         flags += list(_GPU_FLAGS)
         os.environ.update(_GPU_ENV)
     os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()
+    _TIMEOUTS.update(
+        heartbeat=heartbeat_timeout_s, collective=collective_timeout_s, processes=num_processes
+    )
     jax.config.update("jax_enable_recoverability", True)
     if platform == "cpu":
         jax.config.update("jax_platforms", "cpu")
@@ -426,10 +431,29 @@ def _check_loop_args(
             f"keywords to data_parallel_step: {known}."
         )
     stall = _positive_seconds(stall_timeout_s, "ElasticLoop: stall_timeout_s", none_ok=True)
+    _check_stall_against_timeouts(stall)
     failures = _validate.positive_int(max_failures, "ElasticLoop: max_failures")
     one = Mesh(np.array(jax.local_devices()[:1]).reshape(1, 1), ("node", "local"))
     data_parallel_step(loss_fn, tx, one, donate=False, **options)
     return stall, failures
+
+
+def _check_stall_against_timeouts(stall: float | None) -> None:
+    """The watchdog must outlast a survivor's wait for a dead peer: a collective waits up
+    to ``collective_timeout_s`` for it (that wait is the attempt's own work to the
+    watchdog), and the others learn of the death after ``heartbeat_timeout_s``."""
+    if stall is None or _TIMEOUTS.get("processes", 1) == 1:  # no peer to wait for
+        return
+    wait = _TIMEOUTS["collective"] + _TIMEOUTS["heartbeat"]
+    if stall <= wait:
+        raise ValueError(
+            f"ElasticLoop: stall_timeout_s={stall:g} s is not longer than initialize()'s "
+            f"collective_timeout_s={_TIMEOUTS['collective']} plus heartbeat_timeout_s="
+            f"{_TIMEOUTS['heartbeat']} ({wait} s): a survivor waiting in a collective for a "
+            "dead peer would be ended by its own watchdog before the failure is detected. "
+            f"Use a stall_timeout_s well above {wait} s (and above your slowest step), or "
+            "shorter collective/heartbeat timeouts. See 'Timeouts' in docs/failures.md."
+        )
 
 
 def _fresh_job(initial_state: Any, first_step: Any, ran: bool) -> bool:
@@ -463,10 +487,13 @@ class ElasticLoop:
         retry needs the state before the step), model state and aux are not supported
         yet.
       stall_timeout_s: end this process if one attempt's own work (everything but the
-        barrier that waits for the others) goes on this many seconds without compiling
-        (None: never). Compiling a program (the first step, a new phase, a new
-        membership's mesh) is not a stall, however long; keep it above the collective
-        timeout.
+        barrier that waits for the others and the wait for the membership's leader)
+        goes on this many seconds without compiling (None: never). Compiling a program
+        (the first step, a new phase, a new membership's mesh) is not a stall, however
+        long. With several processes it must be longer than initialize()'s
+        ``collective_timeout_s + heartbeat_timeout_s`` (else ValueError): a survivor
+        waits that long in a collective for a dead peer. See "Timeouts" in
+        docs/failures.md.
       max_failures: consecutive failed attempts after which :meth:`run` gives up. Only
         failures that can mean a dead peer (JAX's runtime errors: a collective or the
         coordination service failed or timed out; ``live_devices``'s

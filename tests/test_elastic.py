@@ -111,11 +111,12 @@ def test_a_process_killed_or_stopped_by_the_launcher_is_left_behind(tmp_path, ho
 
 def test_a_process_stuck_in_python_is_ended_by_its_watchdog(tmp_path):
     # Its heartbeats go on, so only its own watchdog can end it; then it is dead.
-    code, _, records, out = launch(tmp_path, "--die", "2@8:hang", "--stall-timeout", "8")
+    # (the watchdog must outlast collective_timeout_s 5 + heartbeat_timeout_s 3: checked)
+    code, _, records, out = launch(tmp_path, "--die", "2@8:hang", "--stall-timeout", "9")
     assert code == 0, out[-3000:]
     assert "exited by itself (its watchdog" in out
     survivors, step, recovery = survivors_went_on(records, 2, out)
-    assert step == 8 and recovery >= 8  # the watchdog's 8 s, then the heartbeat's 3 s
+    assert step == 8 and recovery >= 9  # the watchdog's 9 s, then the heartbeat's 3 s
     check_finished_together(records, survivors, out)
 
 

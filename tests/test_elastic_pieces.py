@@ -314,3 +314,25 @@ def test_only_finalized_checkpoint_steps_are_listed(tmp_path):
     assert lsgd_jax.latest_checkpoint_step(tmp_path) == 2
     assert _elastic_checkpoint.finalized(str(tmp_path), 2)
     assert not _elastic_checkpoint.finalized(str(tmp_path), 4)
+
+
+def test_a_watchdog_shorter_than_a_wait_for_a_dead_peer_is_refused(monkeypatch):
+    """stall_timeout_s must outlast collective_timeout_s + heartbeat_timeout_s (what
+    initialize() set): else a survivor blocked in a collective on a dead peer would be
+    ended by its own watchdog. One process has no peer to wait for."""
+    tx, params = optax.sgd(0.1), {"w": np.zeros((3, 1), np.float32)}
+
+    def build(stall):
+        return ElasticLoop(_loss, tx, params, lambda s, lay: {}, stall_timeout_s=stall)
+
+    timeouts = {"heartbeat": 3, "collective": 5, "processes": 3}
+    monkeypatch.setattr(lsgd_jax.elastic, "_TIMEOUTS", timeouts)
+    for stall in (2.0, 8):
+        with pytest.raises(ValueError, match=rf"stall_timeout_s={stall:g} s .*\(8 s\)"):
+            build(stall)
+    for stall in (8.5, None):  # accepted: the next check wants jax.distributed
+        with pytest.raises(RuntimeError, match="jax.distributed is not initialized"):
+            build(stall)
+    monkeypatch.setattr(lsgd_jax.elastic, "_TIMEOUTS", {**timeouts, "processes": 1})
+    with pytest.raises(RuntimeError, match="jax.distributed is not initialized"):
+        build(2.0)
