@@ -27,10 +27,24 @@ SLOW_FILES = {
 }
 
 
+# Files whose tests start several processes with collective timeouts: with pytest-xdist
+# (README's command: -n 3 --dist loadgroup) they run one at a time on one worker, so
+# that two such jobs never compete with each other for the cores.
+PROCESS_FILES = {
+    "test_multiprocess.py",
+    "test_elastic.py",
+    "test_elastic_checkpoint.py",
+    "test_launch_local.py",
+}
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if pathlib.Path(str(item.fspath)).name in SLOW_FILES:
+        name = pathlib.Path(str(item.fspath)).name
+        if name in SLOW_FILES:
             item.add_marker(pytest.mark.slow)
+        if name in PROCESS_FILES:
+            item.add_marker(pytest.mark.xdist_group("processes"))
 
 
 _SECONDS = {"fast": 0.0, "slow": 0.0}
