@@ -15,9 +15,11 @@ jax.config.update("jax_platforms", "cpu")
 
 # Whole files of the slow tier: multi-process, elastic, examples, notebook, benchmarks.
 SLOW_FILES = {
+    "test_chaos.py",
     "test_multiprocess.py",
     "test_elastic.py",
     "test_elastic_checkpoint.py",
+    "test_elastic_model_state.py",
     "test_launch_local.py",
     "test_notebook.py",
     "test_examples.py",
@@ -31,9 +33,11 @@ SLOW_FILES = {
 # (README's command: -n 3 --dist loadgroup) they run one at a time on one worker, so
 # that two such jobs never compete with each other for the cores.
 PROCESS_FILES = {
+    "test_chaos.py",
     "test_multiprocess.py",
     "test_elastic.py",
     "test_elastic_checkpoint.py",
+    "test_elastic_model_state.py",
     "test_launch_local.py",
 }
 
