@@ -175,8 +175,9 @@ class Attempts:
     """Runs work in attempts until one succeeds on every live process.
 
     Args:
-      fresh: ``fresh(mesh) -> (params, opt_state)``, a new state over a mesh (what a
-        joining process starts from before it is healed).
+      fresh: ``fresh(mesh) -> (params, opt_state)`` (or ``(params, model_state,
+        opt_state)``), a new state over a mesh (what a joining process starts from
+        before it is healed).
       stall_timeout_s: the watchdog's limit on one attempt's own work, compiles not
         counted (None: never).
       max_failures: consecutive failed attempts after which :meth:`retrying` gives up.
@@ -196,7 +197,7 @@ class Attempts:
 
     def __init__(
         self,
-        fresh: Callable[[Any], tuple[Any, Any]],
+        fresh: Callable[[Any], tuple[Any, ...]],
         stall_timeout_s: float | None,
         max_failures: int,
     ) -> None:
@@ -230,9 +231,11 @@ class Attempts:
                     f"are at step {view.step}; this is a bug, please report it."
                 )
         if new_view and view.joining:
-            params, opt_state = state
+            # Params and model state (if any) are healed alike: the live replicas' mean.
+            *model, opt_state = state
             source = min(p for p in view.processes if p not in view.joining)
-            state = _heal.heal(params, opt_state, layout.mesh, AXES, joining, me == source)
+            healed = _heal.heal(tuple(model), opt_state, layout.mesh, AXES, joining, me == source)
+            state = (*healed[0], healed[1])
         return state, step
 
     def _body(self, members, state, step: int, work: Callable[..., Any], label: str):
@@ -296,7 +299,8 @@ class Attempts:
 
         Args:
           label: what the work is, for logs and errors.
-          state: ``(params, opt_state)`` over the last committed mesh (None: fresh).
+          state: ``(params, [model_state,] opt_state)`` over the last committed mesh
+            (None: fresh).
           step: this process's step.
           work: the attempt's work; its outputs are waited for on every device.
 

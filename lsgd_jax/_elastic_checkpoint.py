@@ -2,8 +2,9 @@
 
 :class:`lsgd_jax.elastic.ElasticLoop` with ``checkpoint_dir`` and ``checkpoint_every``
 saves, at the start of every step ``k`` with ``k % checkpoint_every == 0`` (``k > 0``),
-the state the step starts from: ``{"params": ..., "opt_state": ...}`` with one entry
-per live replica (the step counters are in the optimizer state), as checkpoint ``k`` in
+the state the step starts from: ``{"params": ..., "opt_state": ...}`` (and
+``"model_state"`` when the loop has model state) with one entry per live replica (the
+step counters are in the optimizer state), as checkpoint ``k`` in
 the format of :func:`~lsgd_jax.save_checkpoint`. The save is part of the step's
 attempt: the live processes gather the replicas (a collective of the attempt, so a
 death fails it and the attempt, save included, runs again over the survivors), and the
@@ -115,14 +116,35 @@ def _gathered(state: Any) -> dict[str, Any]:
     so that the attempt is retried)."""
     from jax.experimental import multihost_utils
 
-    params, opt_state = state
     try:
-        tree = multihost_utils.process_allgather({"params": params, "opt_state": opt_state}, True)
+        tree = multihost_utils.process_allgather(as_dict(state), True)
     except ValueError as e:  # gloo's failed all-gather ("UNKNOWN: Gloo AllGather failed")
         if "Gloo" not in str(e) and not str(e).startswith(_STATUS):
             raise
         raise jax.errors.JaxRuntimeError(str(e)) from e
     return jax.tree.map(np.asarray, tree)
+
+
+def as_dict(state: tuple[Any, ...]) -> dict[str, Any]:
+    """The loop's state ``(params, [model_state,] opt_state)`` as a checkpoint's tree.
+
+    Example:
+      >>> from lsgd_jax._elastic_checkpoint import as_dict
+      >>> sorted(as_dict((1, 2, 3)))
+      ['model_state', 'opt_state', 'params']
+    """
+    params, *model_state, opt_state = state
+    tree = {"params": params, "opt_state": opt_state}
+    if model_state:
+        tree["model_state"] = model_state[0]
+    return tree
+
+
+def as_state(tree: dict[str, Any]) -> tuple[Any, ...]:
+    """A checkpoint's tree as the loop's state (the inverse of :func:`as_dict`)."""
+    if "model_state" in tree:
+        return tree["params"], tree["model_state"], tree["opt_state"]
+    return tree["params"], tree["opt_state"]
 
 
 _STATUS = ("UNKNOWN:", "INTERNAL:", "DEADLINE_EXCEEDED:", "UNAVAILABLE:", "ABORTED:")
@@ -188,12 +210,12 @@ class Checkpoints:
         self.poll(block=True)
 
     def resume(
-        self, init_params: Any, tx: Any, num_steps: Any
-    ) -> tuple[int, tuple[Any, Any]] | None:
-        """At the start of a job: ``(step, (params, opt_state))`` restored from the newest
-        finalized step (the one process 0 found), or None when there is none. A
-        collective of all the job's processes. ValueError if that step is at or past
-        ``num_steps`` (nothing left to run)."""
+        self, init_params: Any, tx: Any, init_model_state: Any, num_steps: Any
+    ) -> tuple[int, tuple[Any, ...]] | None:
+        """At the start of a job: ``(step, (params, [model_state,] opt_state))`` restored
+        from the newest finalized step (the one process 0 found), or None when there is
+        none. A collective of all the job's processes. ValueError if that step is at or
+        past ``num_steps`` (nothing left to run)."""
         from jax.experimental import multihost_utils
 
         from lsgd_jax._mesh import replicate
@@ -214,11 +236,13 @@ class Checkpoints:
             "params": replicate(init_params, mesh),
             "opt_state": replicate(tx.init(init_params), mesh),
         }
+        if init_model_state is not None:
+            target["model_state"] = replicate(init_model_state, mesh)
         tree = _checkpoint.restore_checkpoint(self.directory, target, step, resize=True)
         logger.warning(
             "lsgd_jax.elastic: resuming at step %d from checkpoint %s", step, self.directory
         )
-        return step, (tree["params"], tree["opt_state"])
+        return step, as_state(tree)
 
 
 def _start_writer(directory: str, step: int, leaves: list[Any], manifest: dict) -> Any:

@@ -4,8 +4,9 @@ Nothing moves between devices when the mesh changes: each device keeps its own
 replica's values, and a new global array is assembled from the local shards
 (``jax.make_array_from_single_device_arrays``). A process that joins has no state of
 its own; one collective program gives its replicas the survivors' consensus params
-(their mean) and one live replica's optimizer state and counters (but a zero
-error-feedback residual: that one belongs to the replica whose rounding it kept).
+and model state, if any (their mean), and one live replica's optimizer state and
+counters (but a zero error-feedback residual: that one belongs to the replica whose
+rounding it kept).
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ def heal(
 
     Args:
       params, opt_state: per-replica trees over ``mesh`` (a joiner's are placeholders of
-        the right shapes, e.g. a fresh init).
+        the right shapes, e.g. a fresh init). ``params`` is any tree that is healed by
+        the mean, e.g. ``(params, model_state)``.
       mesh, axes: the membership's mesh and its data axes.
       joining: whether this process is joining.
       source: whether this process's first replica is the one whose optimizer state

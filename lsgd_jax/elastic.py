@@ -14,10 +14,11 @@ On a failure (a dead process, a collective that timed out) it
 4. logs who failed at which step and how long recovery took.
 
 A process that (re)starts joins the running job: it receives the survivors' consensus
-params, one live replica's optimizer state and the step counters, and is in the next
-step's averages; the survivors do not stop. A process that hangs without dying (its
-heartbeats stop, e.g. SIGSTOP) is treated as dead after the heartbeat timeout; one that
-stalls inside Python is ended by the loop's watchdog (``stall_timeout_s``).
+params (and model state, if any), one live replica's optimizer state and the step
+counters, and is in the next step's averages; the survivors do not stop. A process
+that hangs without dying (its heartbeats stop, e.g. SIGSTOP) is treated as dead after
+the heartbeat timeout; one that stalls inside Python is ended by the loop's watchdog
+(``stall_timeout_s``).
 
 No trainer needs to be special: run JAX's coordination service in a process of its own
 (``python -m lsgd_jax.elastic_coordinator --port P --processes N``) and start every
@@ -295,6 +296,8 @@ class StepRecord:
       recovery_s: on the first step completed after a failure or a membership change,
         the seconds from the start of the first attempt at it to its end (else None).
       failures: what went wrong on the attempts before (empty if none).
+      aux: with ``step_options={"has_aux": True}``, the step's aux as numpy arrays
+        (reduced over the live replicas as ``data_parallel_step`` reduces it); else None.
     """
 
     step: int
@@ -302,6 +305,7 @@ class StepRecord:
     loss: float
     recovery_s: float | None
     failures: tuple[str, ...] = ()
+    aux: Any = None
 
 
 @dataclasses.dataclass
@@ -312,30 +316,55 @@ class ElasticResult:
       params, opt_state: this process's per-replica state over ``layout.mesh``.
       layout: the membership the last step ran on.
       records: one :class:`StepRecord` per step this process completed.
+      model_state: with ``step_options={"with_model_state": True}``, the per-replica
+        model state over ``layout.mesh`` (else None).
     """
 
     params: Any
     opt_state: Any
     layout: Layout
     records: list[StepRecord]
+    model_state: Any = None
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        """The loop's state: ``(params, opt_state)``, or ``(params, model_state,
+        opt_state)`` with model state (what ``run(initial_state=...)`` takes)."""
+        if self.model_state is None:
+            return self.params, self.opt_state
+        return self.params, self.model_state, self.opt_state
 
 
-def _check_state(state: Any, init_params: Any, tx: Any) -> None:
-    """ValueError unless ``state`` is ``(params, opt_state)`` of this loop's structure and
-    shapes, with one replica on each of this process's devices (what a step needs)."""
+def _state_names(init_model_state: Any) -> tuple[str, ...]:
+    """The parts of the loop's state, in order (model state between params and opt_state)."""
+    if init_model_state is None:
+        return ("params", "opt_state")
+    return ("params", "model_state", "opt_state")
+
+
+def _check_state(state: Any, init_params: Any, tx: Any, init_model_state: Any = None) -> None:
+    """ValueError unless ``state`` is ``(params, opt_state)`` (``(params, model_state,
+    opt_state)`` with model state) of this loop's structure and shapes, with one
+    replica on each of this process's devices (what a step needs)."""
     where = "ElasticLoop.run: initial_state"
-    if not (isinstance(state, (tuple, list)) and len(state) == 2):
-        raise ValueError(f"{where} must be a pair (params, opt_state), got {type(state)}.")
-    like = (init_params, jax.eval_shape(tx.init, init_params))
+    names = _state_names(init_model_state)
+    if not (isinstance(state, (tuple, list)) and len(state) == len(names)):
+        raise ValueError(
+            f"{where} must be ({', '.join(names)}) (e.g. result.state), got {type(state)}"
+            f"{f' of length {len(state)}' if isinstance(state, (tuple, list)) else ''}."
+        )
+    like: tuple[Any, ...] = (init_params, jax.eval_shape(tx.init, init_params))
+    if init_model_state is not None:
+        like = (init_params, init_model_state, like[1])
     devices = set(jax.local_devices())
-    for name, tree, model in zip(("params", "opt_state"), state, like):
+    for name, tree, model in zip(names, state, like):
         got: Any = jax.tree.structure(tree)
         if got != jax.tree.structure(model):
             raise ValueError(
                 f"{where}: its {name} tree does not have the structure of this loop's (from "
-                f"init_params and tx.init): {got} is not {jax.tree.structure(model)}; pass "
-                "this loop's own state (a result, or a checkpoint restored with it as the "
-                "template)."
+                f"init_params, init_model_state and tx.init): {got} is not "
+                f"{jax.tree.structure(model)}; pass this loop's own state (a result, or a "
+                "checkpoint restored with it as the template)."
             )
         flat, _ = jax.tree_util.tree_flatten_with_path(tree)
         for (path, x), m in zip(flat, jax.tree.leaves(model)):
@@ -353,7 +382,7 @@ def _check_state(state: Any, init_params: Any, tx: Any) -> None:
 
 
 def _start_state(
-    num_steps: Any, first_step: Any, initial_state: Any, ran: bool, init_params: Any, tx: Any
+    num_steps: Any, first_step: Any, initial_state: Any, ran: bool, template: tuple[Any, ...]
 ) -> Any:
     """run's argument checks; the state to start from (None: fresh). On an error, the
     other processes are told (they stop too instead of going on without this one)."""
@@ -366,8 +395,8 @@ def _start_state(
             )
         if initial_state is None and ran:
             raise ValueError(
-                "ElasticLoop.run: this loop ran before; pass initial_state=(result.params, "
-                "result.opt_state) and first_step=<its step> to go on from where it stopped."
+                "ElasticLoop.run: this loop ran before; pass initial_state=result.state "
+                "and first_step=<its step> to go on from where it stopped."
             )
         if initial_state is None and first_step > 0:
             raise ValueError(
@@ -378,7 +407,7 @@ def _start_state(
                 "run(num_steps) alone: it learns the step from the others.)"
             )
         if initial_state is not None:
-            _check_state(initial_state, init_params, tx)
+            _check_state(initial_state, *template)
     except Exception as e:
         step = first_step if _validate._is_int(first_step) else 0
         _membership.post_user_error(jax.process_index(), step, _attempts.first_line(e))
@@ -386,9 +415,13 @@ def _start_state(
     return None if initial_state is None else tuple(initial_state)
 
 
-def _record(step: int, processes: Any, loss: Any, recovery: Any, failures: Any) -> StepRecord:
+def _record(
+    step: int, processes: Any, loss: Any, recovery: Any, failures: Any, aux: Any = None
+) -> StepRecord:
     """The step's record; a warning if it followed failures or a membership change."""
-    record = StepRecord(step, processes, float(loss), recovery, failures)
+    if aux is not None:  # reduced over the replicas: every local shard holds it whole
+        aux = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), aux)
+    record = StepRecord(step, processes, float(loss), recovery, failures, aux)
     if failures or recovery is not None:
         logger.warning(
             "lsgd_jax.elastic: step %d completed on processes %s after %s (recovery %.2f s)",
@@ -400,11 +433,38 @@ def _record(step: int, processes: Any, loss: Any, recovery: Any, failures: Any) 
     return record
 
 
-_FORBIDDEN_OPTIONS = ("donate", "axes", "with_model_state", "has_aux", "overlap")
+_FORBIDDEN_OPTIONS = ("donate", "axes", "overlap")
+
+
+def _check_model_state(options: dict[str, Any], init_model_state: Any) -> None:
+    """``init_model_state`` goes with ``step_options={"with_model_state": True}``, and
+    only with it: a clear error naming the missing half otherwise."""
+    for name in ("with_model_state", "has_aux"):
+        if not isinstance(options.get(name, False), bool):
+            raise ValueError(
+                f"ElasticLoop: step_options {name!r} must be True or False, got {options[name]!r}."
+            )
+    on = options.get("with_model_state", False)
+    if on and init_model_state is None:
+        raise ValueError(
+            'ElasticLoop: step_options={"with_model_state": True} needs init_model_state= '
+            "(the initial model state, e.g. batch-norm statistics, the same on every process)."
+        )
+    if not on and init_model_state is not None:
+        raise ValueError(
+            "ElasticLoop: init_model_state was given, but the step takes no model state; "
+            'pass step_options={"with_model_state": True} (and a loss_fn(params, '
+            "model_state, batch) -> (loss, new_model_state)), or drop init_model_state."
+        )
 
 
 def _check_loop_args(
-    loss_fn: Any, tx: Any, step_options: Any, stall_timeout_s: Any, max_failures: Any
+    loss_fn: Any,
+    tx: Any,
+    step_options: Any,
+    stall_timeout_s: Any,
+    max_failures: Any,
+    init_model_state: Any = None,
 ) -> tuple[float | None, int]:
     """ElasticLoop's argument checks, all before it needs ``jax.distributed``: the step
     options by building the step once on one device (it checks them as the real one
@@ -416,8 +476,8 @@ def _check_loop_args(
     if bad:
         raise ValueError(
             f"ElasticLoop: step_options {bad} cannot be set: a retried step needs its "
-            "inputs (no donation), model state and aux are not supported by the elastic "
-            "loop yet, and overlap is deprecated (no effect); remove them."
+            "inputs (no donation), the loop builds the mesh and its axes itself, and "
+            "overlap is deprecated (no effect); remove them."
         )
     known = [
         name
@@ -430,6 +490,7 @@ def _check_loop_args(
             f"ElasticLoop: unknown step_options {unknown}; the elastic loop passes these "
             f"keywords to data_parallel_step: {known}."
         )
+    _check_model_state(options, init_model_state)
     stall = _positive_seconds(stall_timeout_s, "ElasticLoop: stall_timeout_s", none_ok=True)
     _check_stall_against_timeouts(stall)
     failures = _validate.positive_int(max_failures, "ElasticLoop: max_failures")
@@ -465,6 +526,39 @@ def _fresh_job(initial_state: Any, first_step: Any, ran: bool) -> bool:
     return _membership._latest(_membership.client()) is None
 
 
+def _fresh_state(mesh: Mesh, init_params: Any, tx: Any, init_model_state: Any) -> tuple:
+    """A fresh state over ``mesh``: ``(params, [model_state,] opt_state)``, replicated."""
+    from lsgd_jax._mesh import replicate
+
+    fresh = (replicate(init_params, mesh), replicate(tx.init(init_params), mesh))
+    if init_model_state is None:
+        return fresh
+    return fresh[0], replicate(init_model_state, mesh), fresh[1]
+
+
+def _split_outputs(out: tuple[Any, ...], n_state: int) -> tuple[Any, Any, Any]:
+    """A step's outputs ``(*state, loss[, aux])`` as ``(state, loss, aux or None)``."""
+    state, rest = tuple(out[:n_state]), out[n_state:]
+    return state, rest[0], rest[1] if len(rest) > 1 else None
+
+
+def _result(state: tuple[Any, ...], layout: Layout, records: list[StepRecord]) -> ElasticResult:
+    params, *model_state, opt_state = state
+    return ElasticResult(params, opt_state, layout, records, *model_state)
+
+
+def _consensus_work(model_state: bool) -> Callable[..., Any]:
+    """The consensus attempt's work: the mean params (and model state) of the replicas."""
+    from lsgd_jax._mesh import consensus
+
+    def work(state, step, layout):
+        if model_state:
+            return consensus(state[0]), consensus(state[1])
+        return consensus(state[0])
+
+    return work
+
+
 class ElasticLoop:
     """A training loop that survives dead processes and takes restarted ones back.
 
@@ -484,8 +578,13 @@ class ElasticLoop:
         e.g. rows chosen by ``layout.row`` or by the process index.
       step_options: more keyword arguments for ``data_parallel_step`` (e.g.
         ``{"specialize": "switch"}``), checked here; donation and overlap are off (a
-        retry needs the state before the step), model state and aux are not supported
-        yet.
+        retry needs the state before the step). ``{"has_aux": True}``: each
+        :class:`StepRecord` carries the step's aux. ``{"with_model_state": True}``
+        (with ``init_model_state``): the state is ``(params, model_state, opt_state)``.
+      init_model_state: the initial model state (e.g. batch-norm statistics; the same
+        on every process), one per replica like the params, for ``step_options=
+        {"with_model_state": True}`` only. A joining process gets the mean of the live
+        replicas' model state (as for params); checkpoints and results carry it.
       stall_timeout_s: end this process if one attempt's own work (everything but the
         barrier that waits for the others and the wait for the membership's leader)
         goes on this many seconds without compiling (None: never). Compiling a program
@@ -533,15 +632,17 @@ class ElasticLoop:
         on_attempt: Callable[[int, Layout], None] | None = None,
         checkpoint_dir: str | os.PathLike | None = None,
         checkpoint_every: int | None = None,
+        init_model_state: Any = None,
     ) -> None:
         directory, every = _elastic_checkpoint.check_args(checkpoint_dir, checkpoint_every)
         stall_timeout_s, max_failures = _check_loop_args(
-            loss_fn, tx, step_options, stall_timeout_s, max_failures
+            loss_fn, tx, step_options, stall_timeout_s, max_failures, init_model_state
         )
         self._checkpoints = None
         if directory is not None and every is not None:
             self._checkpoints = _elastic_checkpoint.Checkpoints(directory, every)
         self._loss_fn, self._tx, self._init_params = loss_fn, tx, init_params
+        self._template = (init_params, tx, init_model_state)
         self._batch_fn, self._options = batch_fn, dict(step_options or {})
         self._on_step, self._on_attempt = on_step, on_attempt
         self._attempts = _attempts.Attempts(self._fresh, stall_timeout_s, max_failures)
@@ -553,10 +654,8 @@ class ElasticLoop:
         """The membership the last committed step ran on (None before the first)."""
         return self._attempts.layout
 
-    def _fresh(self, mesh: Mesh) -> tuple[Any, Any]:
-        from lsgd_jax._mesh import replicate
-
-        return replicate(self._init_params, mesh), replicate(self._tx.init(self._init_params), mesh)
+    def _fresh(self, mesh: Mesh) -> tuple[Any, ...]:
+        return _fresh_state(mesh, *self._template)
 
     def _step_fn(self, layout: Layout):
         from lsgd_jax._step import data_parallel_step
@@ -577,15 +676,14 @@ class ElasticLoop:
         sharding = NamedSharding(layout.mesh, P(("node", "local")))
         local = self._batch_fn(step, layout)
         batch = jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), local)
-        params, opt_state, loss = self._step_fn(layout)(*state, batch)
-        return params, opt_state, loss
+        return _split_outputs(self._step_fn(layout)(*state, batch), len(state))
 
     def run(
         self,
         num_steps: int,
         *,
         first_step: int = 0,
-        initial_state: tuple[Any, Any] | None = None,
+        initial_state: tuple[Any, ...] | None = None,
     ) -> ElasticResult:
         """Trains until step ``num_steps`` through failures and rejoins.
 
@@ -597,9 +695,10 @@ class ElasticLoop:
           num_steps: the step to stop at (a joining process stops there too).
           first_step: the step to start from: 0, or the step of the state passed as
             ``initial_state`` (the same on every process).
-          initial_state: ``(params, opt_state)`` with a leading replica axis, this
+          initial_state: ``(params, opt_state)`` (``(params, model_state, opt_state)``
+            with model state) with a leading replica axis, this
             process's replicas on its devices over any mesh: a restored checkpoint, or a
-            previous run's ``(result.params, result.opt_state)`` to go on. Default: fresh
+            previous run's ``result.state`` to go on. Default: fresh
             (``init_params`` and ``tx.init``); required when this loop ran before.
 
         Returns:
@@ -614,15 +713,15 @@ class ElasticLoop:
         Example:
           >>> first = loop.run(100)  # doctest: +SKIP
           >>> more = loop.run(200, first_step=100,  # doctest: +SKIP
-          ...                 initial_state=(first.params, first.opt_state))
+          ...                 initial_state=first.state)
         """
         attempts = self._attempts
         ran = attempts.view is not None
         if self._checkpoints is not None and _fresh_job(initial_state, first_step, ran):
-            resumed = self._checkpoints.resume(self._init_params, self._tx, num_steps)
+            resumed = self._checkpoints.resume(*self._template, num_steps)
             if resumed is not None:
                 first_step, initial_state = resumed
-        state = _start_state(num_steps, first_step, initial_state, ran, self._init_params, self._tx)
+        state = _start_state(num_steps, first_step, initial_state, ran, self._template)
         attempts.given = state  # moved onto the mesh by the first attempt that succeeds
         step: int = first_step
         records: list[StepRecord] = []
@@ -631,12 +730,11 @@ class ElasticLoop:
         if end is not None and end >= num_steps:  # (re)started after the run was over
             raise _membership.run_over(jax.process_index(), end)
         while step < num_steps:
-            (params, opt_state, loss), step, recovery, failures = attempts.retrying(
+            (state, loss, aux), step, recovery, failures = attempts.retrying(
                 "training step", state, step, self._train_work
             )
-            state = (params, opt_state)
             assert self.layout is not None  # set by the attempt that succeeded
-            record = _record(step, self.layout.processes, loss, recovery, failures)
+            record = _record(step, self.layout.processes, loss, recovery, failures, aux)
             records.append(record)
             attempts.records_started = True
             if self._on_step is not None:
@@ -647,25 +745,29 @@ class ElasticLoop:
             self._checkpoints.poll()  # a failed write is an error (shutdown waits for them)
         _membership.mark_finished(step)
         assert state is not None and self.layout is not None  # num_steps >= 1 ran
-        return ElasticResult(state[0], state[1], self.layout, records)
+        return _result(state, self.layout, records)
 
-    def consensus(self, result: ElasticResult) -> Any:
+    def consensus(self, result: ElasticResult, *, model_state: bool = False) -> Any:
         """The mean of the live replicas' params (a collective: every live process calls
         it), retried through failures like a step.
 
         Args:
           result: what :meth:`run` returned.
+          model_state: also the mean of the live replicas' model state (with
+            ``step_options={"with_model_state": True}`` only).
 
         Returns:
-          The params without the replica axis, on every process.
+          The params without the replica axis, on every process; with ``model_state``,
+          ``(params, model_state)``.
         """
-        from lsgd_jax._mesh import consensus
-
-        def work(state, step, layout):
-            return consensus(state[0])
-
-        state = (result.params, result.opt_state)
-        out, _, _, _ = self._attempts.retrying("consensus", state, self._step, work)
+        if model_state and result.model_state is None:
+            raise ValueError(
+                "ElasticLoop.consensus: model_state=True, but this loop has no model "
+                'state (step_options={"with_model_state": True} and init_model_state).'
+            )
+        out, _, _, _ = self._attempts.retrying(
+            "consensus", result.state, self._step, _consensus_work(model_state)
+        )
         return out
 
     def shutdown(self, timeout_s: float = 30.0) -> None:

@@ -336,3 +336,105 @@ def test_a_watchdog_shorter_than_a_wait_for_a_dead_peer_is_refused(monkeypatch):
     monkeypatch.setattr(lsgd_jax.elastic, "_TIMEOUTS", {**timeouts, "processes": 1})
     with pytest.raises(RuntimeError, match="jax.distributed is not initialized"):
         build(2.0)
+
+
+# Model state and aux in the loop (issue 19 item 4).
+
+
+def _ms_loss(params, model_state, batch):
+    mean = 0.9 * model_state["mean"] + 0.1 * batch["x"].mean(0)
+    loss = jnp.mean(((batch["x"] - mean) @ params["w"]) ** 2)
+    return loss, ({"mean": mean}, {"n": jnp.int32(batch["x"].shape[0])})
+
+
+_MS_INIT = {"mean": np.zeros(3, np.float32)}
+
+
+def test_the_loop_takes_model_state_and_aux_in_its_step_options():
+    # No longer refused: checked (the step built once on one device) and accepted.
+    from lsgd_jax import elastic
+
+    options = {"with_model_state": True, "has_aux": True}
+    tx = optax.sgd(0.1)
+    assert elastic._check_loop_args(_ms_loss, tx, options, None, 3, _MS_INIT) == (None, 3)
+    assert elastic._check_loop_args(_loss, tx, {"has_aux": False}, None, 3) == (None, 3)
+
+
+@pytest.mark.parametrize(
+    "options,init_model_state,match",
+    [
+        ({"with_model_state": True}, None, r"with_model_state.*needs init_model_state="),
+        ({}, _MS_INIT, "init_model_state was given, but the step takes no model state"),
+        ({"has_aux": True}, _MS_INIT, "init_model_state was given"),
+        ({"with_model_state": "yes"}, _MS_INIT, "'with_model_state' must be True.*'yes'"),
+        ({"has_aux": 1}, None, "'has_aux' must be True or False, got 1"),
+        ({"axes": ("node",)}, None, r"\['axes'\] cannot be set"),
+    ],
+)
+def test_the_loop_refuses_model_state_without_its_option_and_the_reverse(
+    options, init_model_state, match
+):
+    with pytest.raises(ValueError, match=match):
+        ElasticLoop(
+            _ms_loss,
+            optax.sgd(0.1),
+            {"w": np.zeros((3, 1), np.float32)},
+            lambda s, lay: {},
+            step_options=options,
+            init_model_state=init_model_state,
+        )
+
+
+def test_a_state_with_model_state_is_checked_part_by_part():
+    from lsgd_jax import elastic
+
+    mesh = Mesh(np.array(jax.local_devices()).reshape(1, -1), AXES)
+    tx, params = optax.sgd(0.1), {"w": np.zeros((3, 1), np.float32)}
+    template = (params, tx, _MS_INIT)
+    state = elastic._fresh_state(mesh, *template)
+    assert len(state) == 3 and np.shape(state[1]["mean"]) == (len(jax.local_devices()), 3)
+    elastic._check_state(state, *template)  # fine
+    with pytest.raises(ValueError, match=r"must be \(params, model_state, opt_state\).*length 2"):
+        elastic._check_state((state[0], state[2]), *template)
+    wrong = (state[0], {"other": state[1]["mean"]}, state[2])
+    with pytest.raises(ValueError, match="its model_state tree does not have the structure"):
+        elastic._check_state(wrong, *template)
+    result = elastic._result(state, None, [])
+    assert result.model_state is state[1] and result.state == state
+    assert elastic._result(state[::2], None, []).state == state[::2]  # without: a pair
+    out = (*state, jnp.float32(1.0), {"n": 3})
+    assert elastic._split_outputs(out, 3) == (state, out[3], {"n": 3})
+    assert elastic._split_outputs(out[1:4], 2) == (state[1:], out[3], None)
+
+
+def test_checkpoint_trees_carry_model_state_only_when_the_loop_has_it():
+    from lsgd_jax import _elastic_checkpoint as ec
+
+    assert ec.as_dict(("p", "o")) == {"params": "p", "opt_state": "o"}
+    assert ec.as_dict(("p", "m", "o")) == {"params": "p", "opt_state": "o", "model_state": "m"}
+    assert ec.as_state(ec.as_dict(("p", "m", "o"))) == ("p", "m", "o")
+    assert ec.as_state({"params": "p", "opt_state": "o"}) == ("p", "o")
+
+
+def test_a_joiner_gets_the_survivors_mean_model_state_like_the_params():
+    # _adopt heals (params, model_state) as one tree by the mean, opt_state by one source.
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), AXES)
+    rng = np.random.default_rng(1)
+    w, mean = rng.standard_normal((8, 3)), rng.standard_normal((8, 5))
+    seen = np.arange(8, dtype=np.int32)
+    joining = np.array([0, 0, 0, 0, 1, 1, 0, 0], bool)
+    source = np.eye(8, dtype=bool)[2]
+    params = {"w": per_replica(mesh, w.astype(np.float32))}
+    model = {"mean": per_replica(mesh, mean.astype(np.float32)), "seen": per_replica(mesh, seen)}
+    state = {"count": per_replica(mesh, seen)}
+    (p, m), s = _heal._heal_program(mesh, AXES)(
+        (params, model), state, per_replica(mesh, joining), per_replica(mesh, source)
+    )
+    keep = ~joining
+    want = np.where(joining[:, None], mean[keep].mean(0), mean)
+    np.testing.assert_allclose(np.asarray(m["mean"]), want, rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(p["w"]), np.where(joining[:, None], w[keep].mean(0), w), rtol=1e-5
+    )
+    np.testing.assert_array_equal(np.asarray(m["seen"]), np.where(joining, 2, seen))  # ints: picked
+    np.testing.assert_array_equal(np.asarray(s["count"]), np.where(joining, 2, seen))
