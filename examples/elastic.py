@@ -37,6 +37,16 @@ processes. ``--max-restarts R``: if the coordinator process dies (``--kill-coord
 K`` kills it at step K), the launcher ends the trainers, restarts the coordinator and
 the whole job, which resumes from the newest checkpoint, up to R times; the exit status
 still says whether every surviving process finished.
+
+``--model-state`` adds model state and aux (``step_options={"with_model_state": True,
+"has_aux": True}``): each replica keeps a running mean of its inputs (batch-norm-like
+statistics, subtracted from the inputs) and a count of the steps it has seen, both
+averaged with the params and healed into a restarted process as the survivors' mean;
+the aux is ``{"correct", "fresh", "seen"}`` (correct predictions, replicas whose model
+state never saw a step, the mean count), added to each JSON step line as ``"aux"``;
+the final line adds ``model_state_sha256`` (of the consensus model state) and
+``model_state_spread`` (the largest difference of a local replica's model state from
+it). ``--delay D``: model averages land D steps after they start.
 """
 
 from __future__ import annotations
@@ -134,6 +144,12 @@ def parse(argv=None):
     ap.add_argument("--start", type=int, default=10, help="start_localSGD_iter")
     ap.add_argument("--period", type=int, default=4, help="model averaging period")
     ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--delay", type=int, default=0, help="model averages land D steps later")
+    ap.add_argument(
+        "--model-state",
+        action="store_true",
+        help="model state (a running mean of the inputs per replica) and aux in the step",
+    )
     ap.add_argument(
         "--comm",
         choices=["flat", "int8", "int4"],
@@ -173,6 +189,10 @@ def _checked(ap: argparse.ArgumentParser, args):
         ap.error("--max-restarts and --kill-coordinator need the coordinator process")
     if (args.checkpoint_dir is None) != (args.checkpoint_every is None):
         ap.error("--checkpoint-dir and --checkpoint-every go together")
+    if args.model_state and args.plain:
+        ap.error("--model-state runs in the elastic loop only (not with --plain)")
+    if args.delay < 0:
+        ap.error(f"--delay must be 0 or more, got {args.delay}")
     return args
 
 
@@ -209,6 +229,25 @@ def logits(params, x):
     return jnp.tanh(x @ params["w1"] + params["b1"]) @ params["w2"] + params["b2"]
 
 
+def _stateful_loss(params, model_state, batch):
+    """``--model-state``: the inputs less a running mean of them (the model state, with
+    the count of steps it has seen); aux: correct predictions, fresh replicas, the count."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    mean = 0.9 * model_state["mean"] + 0.1 * batch["x"].mean(0)
+    out = logits(params, batch["x"] - jax.lax.stop_gradient(mean))
+    loss = optax.softmax_cross_entropy_with_integer_labels(out, batch["y"]).mean()
+    seen = model_state["seen"]
+    aux = {
+        "correct": (out.argmax(-1) == batch["y"]).sum().astype(jnp.int32),
+        "fresh": (seen < 0.5).astype(jnp.int32),
+        "seen": seen,
+    }
+    return loss, ({"mean": mean, "seen": seen + 1.0}, aux)
+
+
 def _model(args):
     """The MLP's initial params, logits, loss and the post-local SGD optimizer."""
     import numpy as np
@@ -216,10 +255,12 @@ def _model(args):
 
     import lsgd_jax
 
-    def loss_fn(params, batch):
+    def plain_loss(params, batch):
         return optax.softmax_cross_entropy_with_integer_labels(
             logits(params, batch["x"]), batch["y"]
         ).mean()
+
+    loss_fn = _stateful_loss if args.model_state else plain_loss
 
     rng = np.random.default_rng(1)
     init = {
@@ -235,6 +276,7 @@ def _model(args):
             lsgd_jax.PeriodicModelAverager(
                 args.period,
                 args.start,
+                delay=args.delay,
                 communication=None
                 if args.comm == "flat"
                 else lsgd_jax.comm.quantized(8 if args.comm == "int8" else 4, two_level=True),
@@ -334,33 +376,61 @@ def worker(args) -> None:
 
     def on_step(r):
         stamps.append(time.perf_counter())
-        emit(
-            out,
-            {
-                "process": me,
-                "step": r.step,
-                "live_processes": list(r.live_processes),
-                "loss": r.loss,
-                "recovery_s": r.recovery_s,
-            },
-        )
+        line = {
+            "process": me,
+            "step": r.step,
+            "live_processes": list(r.live_processes),
+            "loss": r.loss,
+            "recovery_s": r.recovery_s,
+        }
+        if r.aux is not None:
+            line["aux"] = {k: v.item() for k, v in r.aux.items()}
+        emit(out, line)
         if dies.get((r.step + 1, "between")):
             os._exit(3)
 
     ckpt = {"checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every}
+    if args.model_state:
+        ckpt["step_options"] = {"with_model_state": True, "has_aux": True}
+        ckpt["init_model_state"] = {"mean": np.zeros(64, np.float32), "seen": np.float32(0)}
     loop = elastic.ElasticLoop(
         loss_fn, tx, init, batch_fn, stall_timeout_s=args.stall_timeout, on_step=on_step, **ckpt
     )
     result = loop.run(args.steps)
     _say_timing(me, stamps)
-    model = jax.device_get(loop.consensus(result))
-    digest = hashlib.sha256(
-        b"".join(np.ascontiguousarray(model[k]).tobytes() for k in sorted(model))
-    ).hexdigest()
-    acc = float((np.asarray(logits(model, xt)).argmax(-1) == yt).mean())
-    emit(out, {"process": me, "final": True, "consensus_sha256": digest, "test_accuracy": acc})
+    final = {"process": me, "final": True}
+    if args.model_state:
+        model, stats = jax.device_get(loop.consensus(result, model_state=True))
+        final.update(_model_state_summary(result.model_state, stats))
+        xt = xt - stats["mean"]
+    else:
+        model = jax.device_get(loop.consensus(result))
+    final["consensus_sha256"] = _sha256(model)
+    final["test_accuracy"] = float((np.asarray(logits(model, xt)).argmax(-1) == yt).mean())
+    emit(out, final)
     emit(events, {"process": me, "final": True})
     loop.shutdown()
+
+
+def _sha256(tree) -> str:
+    import numpy as np
+
+    return hashlib.sha256(
+        b"".join(np.ascontiguousarray(tree[k]).tobytes() for k in sorted(tree))
+    ).hexdigest()
+
+
+def _model_state_summary(per_replica, consensus) -> dict:
+    """The consensus model state's digest, and how far this process's replicas are from
+    it (0.0: every replica holds the mean, as right after an average)."""
+    import numpy as np
+
+    spread = max(
+        float(np.max(np.abs(np.asarray(s.data)[0] - consensus[k])))
+        for k, x in per_replica.items()
+        for s in x.addressable_shards
+    )
+    return {"model_state_sha256": _sha256(consensus), "model_state_spread": spread}
 
 
 # ----------------------------------------------------------------------------- launcher
