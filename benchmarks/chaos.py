@@ -47,7 +47,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "elastic.py"
 
 
-def schedule(steps: int, events: int, processes: int, seed: int, first: int = 20) -> list[dict]:
+def schedule(
+    steps: int,
+    events: int,
+    processes: int,
+    seed: int,
+    first: int = 20,
+    kinds: tuple[str, ...] = ("kill", "stop", "job"),
+) -> list[dict]:
     """``events`` failures drawn from ``seed``: one per equal slot of ``[first, steps -
     tail)``, at a random step of the slot's first half; a kind, a process, and (for a
     kill or a stop) the step of its restart, a few steps later."""
@@ -56,7 +63,8 @@ def schedule(steps: int, events: int, processes: int, seed: int, first: int = 20
     slot = (steps - tail - first) / events
     if slot < 8:
         raise SystemExit(f"chaos.py: {events} events do not fit in {steps} steps")
-    job_at = rng.randrange(events // 3, events - events // 3) if events >= 6 else None
+    job = events >= 6 and "job" in kinds
+    job_at = rng.randrange(events // 3, events - events // 3) if job else None
     out, last = [], None
     for i in range(events):
         at = int(first + i * slot + rng.randrange(0, max(1, int(slot / 2))))
@@ -65,7 +73,7 @@ def schedule(steps: int, events: int, processes: int, seed: int, first: int = 20
             continue
         p = rng.choice([q for q in range(processes) if q != last])  # not the one just hit
         last = p
-        kind = rng.choice(["kill", "stop"])
+        kind = rng.choice([k for k in ("kill", "stop") if k in kinds])
         out.append({"kind": kind, "process": p, "step": at, "restart": at + rng.randint(3, 6)})
     return out
 
@@ -255,6 +263,9 @@ def main(argv=None) -> int:
     ap.add_argument("--processes", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="120 steps, 3 events")
+    ap.add_argument(
+        "--kinds", default="kill,stop,job", help="event kinds to draw from (comma-separated)"
+    )
     ap.add_argument("--step-time", type=float, default=0.0, help="simulated compute (s/step)")
     ap.add_argument(
         "--heartbeat", type=int, default=10, help="heartbeat timeout (s; loose for a loaded host)"
@@ -278,7 +289,8 @@ def main(argv=None) -> int:
         args.stop_s = args.heartbeat + 5.0
     if args.quick:
         args.steps, args.events = 120, 3
-    events = schedule(args.steps, args.events, args.processes, args.seed)
+    kinds = tuple(args.kinds.split(","))
+    events = schedule(args.steps, args.events, args.processes, args.seed, kinds=kinds)
     print(f"chaos.py: events {json.dumps(events)}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
