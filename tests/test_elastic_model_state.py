@@ -5,11 +5,13 @@ Three processes x 2 CPU devices on 127.0.0.1 (a free port, bounded in time, the 
 process group killed at the end: tests/multiprocess.py's run_launcher). Process 2 is
 killed as the step where a delayed average lands starts (the mean in flight lives in the
 optimizer state each step returns, so the retried step over the survivors lands it), and
-restarted: it joins with the survivors' mean model state.
+restarted: it joins with the survivors' mean model state. A second test saves
+checkpoints with model state in one job and resumes them in the next.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -58,3 +60,30 @@ def check_model_state_run(records, out):
         assert len({fin[p][key] for p in fin}) == 1, fin
     assert all(fin[p]["model_state_spread"] < 1e-6 for p in fin), fin
     assert all(fin[p]["test_accuracy"] > 0.8 for p in fin), fin
+
+
+def test_model_state_is_checkpointed_and_resumed(tmp_path):
+    # Job A (1 process x 2 devices) saves at steps 3 and 6 and runs to 9; job B resumes
+    # from step 6 of the same folder: the same model and model state as A's (bitwise),
+    # and its first step already counts 6 steps in the model state (restored, not fresh).
+    from multiprocess import ROOT, run_launcher
+
+    ckpt = tmp_path / "ckpt"
+    runs = {}
+    for job in ("a", "b"):
+        out = tmp_path / f"{job}.jsonl"
+        cmd = [sys.executable, str(ROOT / "examples" / "elastic.py"), "--processes", "1"]
+        cmd += ["--devices-per-process", "2", "--steps", "9", "--json", str(out)]
+        cmd += ["--model-state", "--start", "2", "--period", "2", "--delay", "1"]
+        cmd += ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "3", "--timeout", "100"]
+        code, _, text = run_launcher(cmd, 120.0)
+        assert code == 0, text[-3000:]
+        runs[job] = [json.loads(x) for x in out.read_text().splitlines()]
+    a, b = runs["a"], runs["b"]
+    assert steps_of(a, 0) == list(range(9)) and steps_of(b, 0) == [6, 7, 8]
+    assert all(r["aux"]["seen"] == r["step"] for r in a + b if "step" in r)
+    fa, fb = finals(a)[0], finals(b)[0]
+    for key in ("consensus_sha256", "model_state_sha256"):
+        assert fa[key] == fb[key], (fa, fb)
+    texts = [p.read_text(errors="replace") for p in (ckpt / "6").rglob("*") if p.is_file()]
+    assert any('"model_state"' in t or "'model_state'" in t for t in texts)
