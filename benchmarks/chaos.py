@@ -308,7 +308,9 @@ def main(argv=None) -> int:
                 pathlib.Path(args.save_baseline).write_text(json.dumps(base, indent=1))
         out = run(args, events, tmp, "chaos")
     res = _evaluate(args, events, out)
-    res["goodput"] = base["wall_s"] / res["wall_s"] if base["wall_s"] else None
+    # Goodput only for a run that finished: a failed run's wall time is not a rate.
+    ok = res["exit"] == 0 and base["wall_s"]
+    res["goodput"] = base["wall_s"] / res["wall_s"] if ok else None
     res["baseline"] = {k: base[k] for k in ("wall_s", "accuracy", "hashes", "exit")}
     res["accuracy_delta_points"] = (
         100 * (res["accuracy"] - base["accuracy"])
