@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lsgd_jax import _collectives, _fragments, _outer, comm
+from lsgd_jax import _collectives, _fragments, _offload, _outer, comm
 from lsgd_jax._averager_state import ModelAveragerState
 
 
@@ -158,6 +158,9 @@ def run(
         def branch(op, st):
             if not level and not lands:
                 return passthrough(op), st
+            home = st
+            if averager.offload_state:  # its buffers onto the device for this average
+                st = _offload.buffers(st, jax.memory.Space.Device)
             params, extra = prepare(op)
             if lands:  # the delayed average started `delay` calls ago lands now
                 params = _land(params, st)
@@ -167,7 +170,9 @@ def run(
                 params, extra, st2 = average_level(averager, params, extra, st, spec)
             else:
                 st2 = st
-            return finish(op, params, extra), _collectives.cast_like(st2, st)
+            if averager.offload_state:  # and back to host memory
+                st2 = _offload.buffers(st2, jax.memory.Space.Host)
+            return finish(op, params, extra), _collectives.cast_like(st2, home)
 
         return branch
 

@@ -103,6 +103,13 @@ _OPTIONS_DOC = """
         ``comm.finite_only("skip")``, ``comm.compressed(jnp.bfloat16)``); None: from
         ``nonfinite`` and ``communication_dtype`` (``comm.flat()`` by default). Give
         either this or those two.
+      offload_state: True: keep the averager's buffers (the anchor, the outer
+        optimizer's state, the error-feedback residual, a delayed average's start and
+        mean) in host memory (``memory_kind="pinned_host"``) between averages, as
+        torchft stages its outer state in pinned CPU memory: an average copies them
+        onto the device, uses them and copies them back, and the steps between averages
+        do not touch them. ``replicate(tx.init(params), mesh)`` places them there. The
+        numbers are the same. None (default): on the device.
 """
 
 
@@ -156,6 +163,9 @@ def _check_options(self: Any) -> None:
         )
     for flag in ("delta", "outer_skip_first"):
         object.__setattr__(self, flag, _validate.boolean(getattr(self, flag), flag))
+    if self.offload_state is not None:  # None and False alike: on the device
+        offload = _validate.boolean(self.offload_state, "offload_state")
+        object.__setattr__(self, "offload_state", True if offload else None)
     if self.communication_dtype is not None:
         dtype = comm.compressed(self.communication_dtype).dtype
         object.__setattr__(self, "communication_dtype", dtype)
@@ -177,6 +187,7 @@ class _AveragerConfig(abc.ABC):
     delta: bool
     communication: Any
     delay: int
+    offload_state: bool | None
     process_group: GroupSpec
 
     @property
@@ -431,6 +442,7 @@ def _options() -> dict[str, Any]:
         "delta": dataclasses.field(default=False, kw_only=True),
         "communication": dataclasses.field(default=None, kw_only=True),
         "delay": dataclasses.field(default=0, kw_only=True),
+        "offload_state": dataclasses.field(default=None, kw_only=True),
     }
 
 
@@ -487,6 +499,7 @@ class PeriodicModelAverager(_Averager):
     delta: bool = _options()["delta"]
     communication: Any = _options()["communication"]
     delay: int = _options()["delay"]
+    offload_state: bool | None = _options()["offload_state"]
 
     def __post_init__(self) -> None:
         _check_options(self)
@@ -607,6 +620,7 @@ class HierarchicalModelAverager(_Averager):
     delta: bool = _options()["delta"]
     communication: Any = _options()["communication"]
     delay: int = _options()["delay"]
+    offload_state: bool | None = _options()["offload_state"]
 
     def __post_init__(self) -> None:
         _check_options(self)

@@ -171,21 +171,23 @@ def replicate(
     """
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from lsgd_jax import _fsdp
+    from lsgd_jax import _fsdp, _offload
 
     axes = tuple(axes) if axes is not None else data_axes(mesh)
     inside = _fsdp.check_axes(mesh, axes, shard_over, "replicate: shard_over")
     n = _num_replicas(mesh, axes)
 
-    def one(x):
+    def one(x, memory_kind=None):
         host = np.asarray(x)
         spec = PartitionSpec(axes, *_fsdp.leaf_spec(host.shape, mesh, inside))
         full = np.broadcast_to(host[None], (n, *host.shape))
-        return jax.make_array_from_callback(
-            full.shape, NamedSharding(mesh, spec), lambda index: full[index]
-        )
+        sharding = NamedSharding(mesh, spec, memory_kind=memory_kind)
+        return jax.make_array_from_callback(full.shape, sharding, lambda index: full[index])
 
-    return jax.tree.map(one, tree)
+    def node(x):  # an offloaded averager's buffers go to host memory
+        return _offload.place(x, one) if _offload.is_offloaded(x) else one(x)
+
+    return jax.tree.map(node, tree, is_leaf=_offload.is_offloaded)
 
 
 def unreplicate(tree: Any) -> Any:
