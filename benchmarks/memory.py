@@ -55,7 +55,7 @@ def loss_fn(params, batch):
     return jnp.mean((h * params["norm"]) ** 2)
 
 
-def chain(hsdp: bool = False) -> optax.GradientTransformation:
+def chain(hsdp: bool = False, offload: bool = False) -> optax.GradientTransformation:
     """AdamW and every averager buffer; with ``hsdp`` a replica is a whole node."""
     averager = lsgd_jax.PeriodicModelAverager(
         2,
@@ -64,6 +64,7 @@ def chain(hsdp: bool = False) -> optax.GradientTransformation:
         delay=1,
         communication=comm.quantized(8, error_feedback=True),
         process_group="node" if hsdp else None,
+        offload_state=offload,
     )
     return optax.chain(
         lsgd_jax.post_local_sgd(
@@ -77,17 +78,20 @@ def chain(hsdp: bool = False) -> optax.GradientTransformation:
 
 
 def per_device(tree) -> float:
-    """The largest number of bytes any one device holds of ``tree``."""
+    """The largest number of bytes any one device holds of ``tree`` in device memory
+    (host-memory buffers, ``offload_state=True``, not counted)."""
     out: dict = {}
     for leaf in jax.tree.leaves(tree):
+        if leaf.sharding.memory_kind == "pinned_host":
+            continue
         for shard in leaf.addressable_shards:
             out[shard.device.id] = out.get(shard.device.id, 0) + shard.data.nbytes
     return max(out.values())
 
 
-def measure(mesh, axes, fsdp, params0) -> tuple[float, float, float]:
+def measure(mesh, axes, fsdp, params0, offload=False) -> tuple[float, float, float]:
     """Per-device bytes of params, Adam's state and the averager's, after three steps."""
-    tx = chain(hsdp=axes == ("node",))
+    tx = chain(hsdp=axes == ("node",), offload=offload)
     params = lsgd_jax.replicate(params0, mesh, axes, shard_over=fsdp)
     opt_state = lsgd_jax.replicate(tx.init(params0), mesh, axes, shard_over=fsdp)
     step = lsgd_jax.data_parallel_step(loss_fn, tx, mesh, axes=axes, fsdp_axes=fsdp)
@@ -114,6 +118,9 @@ def main() -> None:
         devices = np.array(jax.devices()[: 2 * k]).reshape(2, 1, k)
         mesh = Mesh(devices, ("node", "local", "fsdp"), axis_types=(AxisType.Auto,) * 3)
         rows.append((f"(2, 1, {k}), fsdp_axes='fsdp'", k, measure(mesh, None, "fsdp", params0)))
+    rows.append(
+        ("(2, 1, 4), and offload_state=True", 4, measure(mesh, None, "fsdp", params0, True))
+    )
     hsdp = lsgd_jax.make_mesh(2, 4)
     rows.append(("HSDP 2 x 4, axes=('node',)", 4, measure(hsdp, ("node",), "local", params0)))
     for name, k, (p, o, a) in rows:

@@ -20,7 +20,13 @@ from typing import Any
 import jax
 
 from lsgd_jax import _compat, _heal, _membership
-from lsgd_jax._membership import CoordinatorLostError, Layout, RunEndedError, View
+from lsgd_jax._membership import (
+    CoordinatorLostError,
+    Layout,
+    LeftBehindError,
+    RunEndedError,
+    View,
+)
 
 logger = logging.getLogger("lsgd_jax.elastic")
 AXES = ("node", "local")
@@ -156,19 +162,47 @@ def first_line(e: BaseException) -> str:
 
 
 def _live_members() -> tuple[tuple[int, int], ...]:
-    """The barrier's live ``(process, incarnation)`` pairs (raises if process 0 hosted
-    the coordination service and is gone)."""
+    """The barrier's live ``(process, incarnation)`` pairs (see :func:`check_members`)."""
     from jax.experimental import multihost_utils as mh
 
     incarnation = mh.live_devices.devices
     assert incarnation is not None  # set by entering the block
     members = tuple(sorted({(d.process_index, int(i)) for d, i in incarnation.items()}))
-    if not _membership.external_coordinator() and 0 not in {p for p, _ in members}:
+    return check_members(members, jax.process_index(), _membership.external_coordinator())
+
+
+def check_members(
+    members: tuple[tuple[int, int], ...], me: int, external: bool
+) -> tuple[tuple[int, int], ...]:
+    """``members`` if this process can go on with them; else the error that says why.
+
+    Raises:
+      LeftBehindError: this process is not among them (the others declared it dead).
+      CoordinatorLostError: process 0 hosted the coordination service and is gone.
+
+    Example:
+      >>> from lsgd_jax._attempts import check_members
+      >>> check_members(((0, 1), (2, 1)), 2, external=False)
+      ((0, 1), (2, 1))
+    """
+    live = {p for p, _ in members}
+    if me not in live:
+        raise LeftBehindError(
+            f"lsgd_jax.elastic: process {me} is not among the live processes {sorted(live)}: "
+            "the others declared it dead (stopped or cut off for longer than the heartbeat "
+            "timeout) and went on without it. Restart this process; it then joins the "
+            "running job."
+        )
+    if not external and 0 not in live:
         raise CoordinatorLostError(
             "lsgd_jax.elastic: process 0 (the coordination service's host) is "
             "gone; the run cannot continue. Restart the job (from a checkpoint)."
         )
     return members
+
+
+# Errors that end this process without being the user's (not posted for the others).
+_NOT_THE_USERS = (CoordinatorLostError, LeftBehindError)
 
 
 class Attempts:
@@ -275,7 +309,7 @@ class Attempts:
             try:
                 out, step, view, layout, changed = self._body(members, state, step, work, label)
             except Exception as e:
-                if not (peer_gone(e) or isinstance(e, (RunEndedError, CoordinatorLostError))):
+                if not (peer_gone(e) or isinstance(e, (RunEndedError, _NOT_THE_USERS))):
                     # Before the barrier: the others read it once their attempt fails.
                     _membership.post_user_error(jax.process_index(), step, first_line(e))
                 raise

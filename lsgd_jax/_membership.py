@@ -37,6 +37,13 @@ class CoordinatorLostError(RuntimeError):
     gone, or every process that held the model is: no elastic run can go on."""
 
 
+class LeftBehindError(RuntimeError):
+    """The other processes declared this one dead (it was stopped, or cut off, for longer
+    than the heartbeat timeout) and went on without it: it is not in the live set, and
+    holds a model they no longer follow. Restart the process: it then joins the running
+    job like any restarted one."""
+
+
 class RunOver(SystemExit):
     """This process (re)started after the run it would join was over: it exits with
     status 0 (a ``SystemExit``), after one line saying so."""

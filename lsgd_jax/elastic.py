@@ -61,7 +61,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lsgd_jax import _attempts, _elastic_checkpoint, _membership, _validate
-from lsgd_jax._membership import CoordinatorLostError, Layout
+from lsgd_jax._membership import CoordinatorLostError, Layout, LeftBehindError
 
 logger = logging.getLogger("lsgd_jax.elastic")
 
@@ -70,6 +70,7 @@ __all__ = [
     "ElasticLoop",
     "ElasticResult",
     "Layout",
+    "LeftBehindError",
     "StepRecord",
     "initialize",
     "shutdown",

@@ -438,3 +438,19 @@ def test_a_joiner_gets_the_survivors_mean_model_state_like_the_params():
     )
     np.testing.assert_array_equal(np.asarray(m["seen"]), np.where(joining, 2, seen))  # ints: picked
     np.testing.assert_array_equal(np.asarray(s["count"]), np.where(joining, 2, seen))
+
+
+def test_a_process_the_others_declared_dead_is_told_to_restart():
+    """After a SIGSTOP longer than the heartbeat timeout the live set no longer holds
+    this process: it raises LeftBehindError (not posted as a user error, so the others
+    go on), instead of a StopIteration that ended every process (found by the soak)."""
+    from lsgd_jax import _attempts
+
+    with pytest.raises(
+        lsgd_jax.elastic.LeftBehindError, match=r"process 0 is not among .*\[1, 2\]"
+    ):
+        _attempts.check_members(((1, 4), (2, 4)), 0, external=True)
+    with pytest.raises(lsgd_jax.elastic.CoordinatorLostError, match="process 0"):
+        _attempts.check_members(((1, 4), (2, 4)), 1, external=False)
+    assert _attempts.check_members(((1, 4), (2, 4)), 1, external=True) == ((1, 4), (2, 4))
+    assert lsgd_jax.elastic.LeftBehindError in _attempts._NOT_THE_USERS
