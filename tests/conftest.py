@@ -29,16 +29,16 @@ SLOW_FILES = {
 }
 
 
-# Files whose tests start several processes with collective timeouts: with pytest-xdist
-# (README's command: -n 3 --dist loadgroup) they run one at a time on one worker, so
-# that two such jobs never compete with each other for the cores.
-PROCESS_FILES = {
-    "test_chaos.py",
-    "test_multiprocess.py",
-    "test_elastic.py",
-    "test_elastic_checkpoint.py",
-    "test_elastic_model_state.py",
-    "test_launch_local.py",
+# Files whose tests start several processes with collective timeouts, in two groups:
+# with pytest-xdist (README's command: -n 3 --dist loadgroup) each group runs one test
+# at a time on one worker, so at most two such jobs share the cores at once.
+PROCESS_GROUPS = {
+    "test_elastic.py": "processes-1",
+    "test_chaos.py": "processes-2",
+    "test_multiprocess.py": "processes-2",
+    "test_elastic_checkpoint.py": "processes-2",
+    "test_elastic_model_state.py": "processes-2",
+    "test_launch_local.py": "processes-2",
 }
 
 
@@ -47,22 +47,30 @@ def pytest_collection_modifyitems(config, items):
         name = pathlib.Path(str(item.fspath)).name
         if name in SLOW_FILES:
             item.add_marker(pytest.mark.slow)
-        if name in PROCESS_FILES:
-            item.add_marker(pytest.mark.xdist_group("processes"))
+        if name in PROCESS_GROUPS:
+            item.add_marker(pytest.mark.xdist_group(PROCESS_GROUPS[name]))
 
 
-_SECONDS = {"fast": 0.0, "slow": 0.0}
+_SECONDS: dict[str, float] = {}
 
 
 def pytest_runtest_logreport(report):
-    tier = "slow" if pathlib.Path(report.fspath).name in SLOW_FILES else "fast"
-    _SECONDS[tier] += report.duration
+    name = pathlib.Path(report.fspath).name
+    _SECONDS[name] = _SECONDS.get(name, 0.0) + report.duration
 
 
 def pytest_terminal_summary(terminalreporter):
-    """How long each tier took in this run (setup, call and teardown of its tests)."""
-    fast, slow = _SECONDS["fast"], _SECONDS["slow"]
+    """How long each tier, and the slowest files, took in this run (setup, call and
+    teardown of their tests; summed over the workers under -n)."""
+    if not _SECONDS:
+        return
+    slow = sum(t for name, t in _SECONDS.items() if name in SLOW_FILES)
+    fast = sum(_SECONDS.values()) - slow
     terminalreporter.write_line(
         f"test tiers: fast {fast / 60:.1f} min, slow {slow / 60:.1f} min "
         "(the fast tier alone: python -m pytest -q -m 'not slow')"
+    )
+    top = sorted(_SECONDS.items(), key=lambda kv: -kv[1])[:12]
+    terminalreporter.write_line(
+        "slowest files: " + ", ".join(f"{name[5:-3]} {t:.0f} s" for name, t in top)
     )
