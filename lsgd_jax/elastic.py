@@ -329,8 +329,8 @@ class ElasticResult:
 
     @property
     def state(self) -> tuple[Any, ...]:
-        """The loop's state: ``(params, opt_state)``, or ``(params, model_state,
-        opt_state)`` with model state (what ``run(initial_state=...)`` takes)."""
+        """The loop's state, as ``run(initial_state=...)`` takes it (``(params,
+        opt_state)``, or ``(params, model_state, opt_state)`` with model state)."""
         if self.model_state is None:
             return self.params, self.opt_state
         return self.params, self.model_state, self.opt_state
