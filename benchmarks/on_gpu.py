@@ -9,13 +9,19 @@ Run (on a machine with NVIDIA GPUs and a CUDA build of jax): python benchmarks/o
   is nothing to communicate, but the cost of the library's branching (one lax.switch
   over the phases of the step) against a hand-written step is still measured.
 
-Both tables are appended to benchmarks/RESULTS.md under a heading that names the device
+- Part 3, the language model (examples/lm.py, issue 20) on the GPUs: DDP, post-local
+  SGD (H=8, H=32), DiLoCo with 4-bit two-level averages, and delayed averages, each
+  with its median step time, peak device memory and validation loss (200 steps, the
+  default model), on the same mesh as part 2.
+
+The tables are appended to benchmarks/RESULTS.md under a heading that names the device
 and the date, with the commands that produced them.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import pathlib
 import subprocess
@@ -49,6 +55,24 @@ def run(cmd: list[str], env: dict[str, str]) -> str:
     return "\n".join(line for line in out.stdout.splitlines() if not line.startswith("WARNING"))
 
 
+LM_METHODS = "ddp,local8,local32,diloco32:bits4,local8:delay1"
+
+
+def lm_table(output: str) -> str:
+    """examples/lm.py's JSON lines as a table: step time, memory, loss, bytes."""
+    rows = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    head = (
+        "| run | ms per step | peak device MiB | val loss | cross-node MB |\n|---|---|---|---|---|"
+    )
+    lines = [
+        f"| {r['method']} | {1e3 * r['compute_s_per_step']:.1f} | "
+        f"{(r['peak_device_bytes'] or 0) / 2**20:.0f} | {r['val_loss']:.4f} | "
+        f"{r['cross_node_bytes'] / 1e6:.1f} |"
+        for r in rows
+    ]
+    return "\n".join([head, *lines])
+
+
 def main() -> None:
     n, kind = gpu_count()
     if n == 0:
@@ -62,11 +86,15 @@ def main() -> None:
     over_cmd = [sys.executable, "benchmarks/overhead.py", "--mesh", mesh, "--reps", "50"]
     comm = run(comm_cmd, {**os.environ, "LSGD_BENCH_PLATFORM": "cpu"})
     over = run(over_cmd, env)
+    lm_cmd = [sys.executable, "examples/lm.py", "--platform", "gpu", "--mesh", mesh]
+    lm_cmd += ["--compare", LM_METHODS, "--steps", "200", "--start", "50", "--no-progress"]
+    lm = lm_table(run(lm_cmd, {**os.environ, "JAX_PLATFORMS": ""}))
     date = datetime.date.today().isoformat()
     text = (
         f"\n\n## On {n} x {kind} ({date})\n\n"
         f"`{' '.join(comm_cmd[1:])}`\n\n{comm}\n\n"
-        f"`LSGD_BENCH_PLATFORM=gpu {' '.join(over_cmd[1:])}`\n\n{over}\n"
+        f"`LSGD_BENCH_PLATFORM=gpu {' '.join(over_cmd[1:])}`\n\n{over}\n\n"
+        f"`{' '.join(lm_cmd[1:])}`\n\n{lm}\n"
     )
     with open(HERE / "RESULTS.md", "a") as f:
         f.write(text)

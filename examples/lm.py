@@ -79,11 +79,19 @@ INNER_AXES = ("local",)  # the mesh axis of one node's devices
 DILOCO_OUTER = {"learning_rate": 0.7, "momentum": 0.9, "nesterov": True}
 
 
-def setup_cpu_devices(n: int = 8) -> None:
-    """Asks for ``n`` simulated CPU devices; call before JAX starts its backend."""
-    if jax.config.jax_platforms in (None, "", "cpu"):
+def setup_cpu_devices(n: int = 8, platform: str = "cpu") -> None:
+    """Asks for ``n`` simulated CPU devices (``platform="cpu"``); ``"gpu"`` leaves the
+    choice to JAX (its accelerators). Call before JAX starts its backend."""
+    if platform == "cpu" and jax.config.jax_platforms in (None, "", "cpu"):
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", n)
+
+
+def peak_device_bytes() -> int | None:
+    """The largest peak of memory in use on any local device (None where the backend
+    does not say, e.g. CPU)."""
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
+    return max((p for p in peaks if p is not None), default=None)
 
 
 # ----------------------------------------------------------------------------- data
@@ -387,6 +395,7 @@ def make_record(
         "train_loss": losses[-1],
         "cross_node_bytes": int(across[-1]),
         "compute_s_per_step": compute,
+        "peak_device_bytes": peak_device_bytes(),
         "emulated_s": float(emulated[-1]),
         "link_mbit": a.link_mbit,
         "latency_ms": a.latency_ms,
@@ -464,12 +473,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plot", default="", help="write the comparison plot here (png)")
     p.add_argument("--json", default="", help="write the records (with histories) here")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
+    p.add_argument("--platform", default="cpu", choices=["cpu", "gpu"], help="gpu: JAX's GPUs")
+    p.add_argument("--mesh", default="2x4", help="nodes x devices per node, e.g. 2x4 or 1x1")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
     if args.quick:
         args = p.parse_args(QUICK + argv)
-    if args.global_batch % 8:
-        p.error("--global-batch must be a multiple of the 8 replicas")
+    nodes, _, per_node = args.mesh.partition("x")
+    if not (nodes.isdigit() and per_node.isdigit() and int(nodes) * int(per_node) > 0):
+        p.error(f"--mesh must be NODESxDEVICES, e.g. 2x4, got {args.mesh!r}")
+    args.nodes, args.per_node = int(nodes), int(per_node)
+    if args.global_batch % (args.nodes * args.per_node):
+        p.error(f"--global-batch must be a multiple of the {args.nodes * args.per_node} replicas")
     return args
 
 
@@ -477,11 +492,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     """Trains the requested runs; prints a JSON line for each and returns the records."""
     args = parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    setup_cpu_devices(8)
+    setup_cpu_devices(args.nodes * args.per_node, args.platform)
     specs = args.compare.split(",") if args.compare else [args.method]
     methods = [parse_method(s, args.period, args.bits, args.delay) for s in specs]
     model = ModelConfig(args.layers, args.width, args.heads, args.context)
-    mesh = lsgd_jax.make_mesh(num_nodes=2, devices_per_node=4)
+    mesh = lsgd_jax.make_mesh(num_nodes=args.nodes, devices_per_node=args.per_node)
     setup = Setup(mesh, load_corpus(args.max_mb), model, args)
     records = [train(m, setup, progress=not args.no_progress) for m in methods]
     for r in records:

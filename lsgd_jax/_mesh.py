@@ -179,7 +179,10 @@ def replicate(
 
     def one(x, memory_kind=None):
         host = np.asarray(x)
-        spec = PartitionSpec(axes, *_fsdp.leaf_spec(host.shape, mesh, inside))
+        inner = list(_fsdp.leaf_spec(host.shape, mesh, inside))
+        while inner and inner[-1] is None:  # P(axes) when nothing is split inside
+            inner.pop()
+        spec = PartitionSpec(axes, *inner)
         full = np.broadcast_to(host[None], (n, *host.shape))
         sharding = NamedSharding(mesh, spec, memory_kind=memory_kind)
         return jax.make_array_from_callback(full.shape, sharding, lambda index: full[index])

@@ -137,7 +137,8 @@ def test_a_restarted_process_rejoins_and_ends_with_the_same_model(tmp_path, comm
     first_back = next(s for a, s in zip(mine, mine[1:]) if s != a + 1)
     before, after = mine[: mine.index(first_back)], mine[mine.index(first_back) :]
     assert before == list(range(len(before))) and len(before) <= 9
-    assert after == list(range(first_back, steps)) and first_back > 10
+    # back once restarted at step 10 (at 10 itself when the survivors' steps are slow)
+    assert after == list(range(first_back, steps)) and first_back >= 10
     back = [r for r in records if r.get("step") == first_back]
     assert {r["process"] for r in back} == {0, 1, 2}
     assert all(sorted(r["live_processes"]) == [0, 1, 2] for r in back)

@@ -96,7 +96,9 @@ def restore(ckpt, step, replicas):
         sys.path.remove(str(SCRIPT.parent))
     import lsgd_jax
 
-    init, _, _, tx = _model(argparse.Namespace(start=10, period=4, lr=0.1, comm="flat"))
+    init, _, _, tx = _model(
+        argparse.Namespace(start=10, period=4, lr=0.1, comm="flat", model_state=False, delay=0)
+    )
     mesh = lsgd_jax.make_mesh(1, replicas)
     target = {
         "params": lsgd_jax.replicate(init, mesh),
