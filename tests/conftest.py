@@ -29,17 +29,21 @@ SLOW_FILES = {
 }
 
 
-# Files whose tests start several processes with collective timeouts, in two groups:
-# with pytest-xdist (README's command: -n 3 --dist loadgroup) each group runs one test
-# at a time on one worker, so at most two such jobs share the cores at once.
-PROCESS_GROUPS = {
-    "test_elastic.py": "processes-1",
-    "test_chaos.py": "processes-2",
-    "test_multiprocess.py": "processes-2",
-    "test_elastic_checkpoint.py": "processes-2",
-    "test_elastic_model_state.py": "processes-2",
-    "test_launch_local.py": "processes-2",
-}
+# Files whose tests start several processes with collective timeouts: with pytest-xdist
+# (README's command: -n 2 --dist loadgroup) they run in one group, one job at a time on
+# one worker, while the other worker runs the rest: two such jobs at once on 2 cores
+# made collectives time out (seen with two groups on three workers).
+PROCESS_GROUPS = dict.fromkeys(
+    [
+        "test_elastic.py",
+        "test_chaos.py",
+        "test_multiprocess.py",
+        "test_elastic_checkpoint.py",
+        "test_elastic_model_state.py",
+        "test_launch_local.py",
+    ],
+    "processes",
+)
 
 
 def pytest_collection_modifyitems(config, items):

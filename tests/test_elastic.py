@@ -155,7 +155,11 @@ def test_when_process_0_hosts_the_service_and_dies_every_process_ends_quickly(tm
     )
     assert code == 1
     assert "processes ended with" in out, out[-3000:]  # all ended: none hung
-    assert "leader task was preempted/died" in out or "CoordinatorLostError" in out
+    # JAX's abort message may be cut from what the launcher kept; its signal is not
+    ended_by_abort = "process 0 aborted (SIGABRT)" in out or ": -6" in out
+    assert (
+        "leader task was preempted/died" in out or "CoordinatorLostError" in out or ended_by_abort
+    ), out[-3000:]
     assert not finals(records)  # nobody claims to have finished the run
     assert seconds < 90
 
