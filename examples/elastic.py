@@ -15,8 +15,12 @@ share of the training rows (process p: rows with index % N == p).
 (so the kill may land mid-collective); ``--restart P@K`` starts it again (same process
 index) once a live process reports step K: it joins the running job. ``--stall P@K``
 stops P with SIGSTOP instead (alive but stuck); the launcher SIGKILLs it at the end.
+``--pause P@K:S`` stops P at step K and continues it S seconds later: with S between the
+collective and the heartbeat timeouts, the others' collectives fail while P stays a
+member, and the loop retries the step on a new device order.
 ``--json FILE`` gets one JSON line per completed step and process
-(``{"process", "step", "live_processes", "loss", "recovery_s"}``) and one final line
+(``{"process", "step", "live_processes", "loss", "recovery_s", "failures"}``: failures
+is the number of failed attempts before it) and one final line
 per process (``{"process", "final": true, "consensus_sha256", "test_accuracy"}``).
 The launcher exits 0 when every surviving process (and any restarted one) finished all
 steps, 1 otherwise. A process that aborts (SIGABRT) counts as dead, not as a failed
@@ -133,6 +137,15 @@ def parse(argv=None):
         "'hang's inside step K (stuck in Python, heartbeats going on: the watchdog ends it)",
     )
     ap.add_argument(
+        "--pause",
+        action="append",
+        default=[],
+        metavar="P@K:S",
+        help="SIGSTOP process P at step K and SIGCONT it S seconds later: shorter than the "
+        "heartbeat timeout and longer than the collective timeout, the others' collectives "
+        "time out while P stays a member (the attempt is retried on a new device order)",
+    )
+    ap.add_argument(
         "--plain",
         action="store_true",
         help="train with data_parallel_step alone, without the elastic loop (no failures "
@@ -204,6 +217,18 @@ def _at(items: list[str], flag: str) -> list[tuple[int, int]]:
             out.append((int(p), int(k)))
         except ValueError:
             sys.exit(f"elastic.py: {flag} takes P@K (process P at step K), got {item!r}.")
+    return out
+
+
+def _pauses(items: list[str]) -> list[tuple[int, int, float]]:
+    out = []
+    for item in items:
+        try:
+            at, seconds = item.split(":")
+            ((p, k),) = _at([at], "--pause")
+            out.append((p, k, float(seconds)))
+        except ValueError:
+            sys.exit(f"elastic.py: --pause takes P@K:S (process P at step K, S s), got {item!r}.")
     return out
 
 
@@ -382,6 +407,7 @@ def worker(args) -> None:
             "live_processes": list(r.live_processes),
             "loss": r.loss,
             "recovery_s": r.recovery_s,
+            "failures": len(r.failures),
         }
         if r.aux is not None:
             line["aux"] = {k: v.item() for k, v in r.aux.items()}
@@ -460,6 +486,7 @@ class _Launcher:
         self.procs: dict[int, subprocess.Popen] = {}
         self.gone: set[int] = set()  # killed (and not restarted since)
         self.stopped: set[int] = set()
+        self.paused: dict[int, float] = {}  # --pause: process -> when to SIGCONT it
         self._read = 0
         self.started = -1  # the highest step a live process reported starting
         self.coordinator: subprocess.Popen | None = None
@@ -545,6 +572,21 @@ class _Launcher:
                 restarts.remove((p, k))
                 print(f"elastic.py: restarted process {p} at step {self.started}", flush=True)
 
+    def pause(self, pauses: list[tuple[int, int, float]]) -> None:
+        """``--pause P@K:S``: SIGSTOP at step K, SIGCONT S seconds later (P stays live)."""
+        now = time.monotonic()
+        for p, k, seconds in list(pauses):
+            if self.started >= k and self.procs[p].poll() is None:
+                self.procs[p].send_signal(signal.SIGSTOP)
+                self.paused[p] = now + seconds
+                pauses.remove((p, k, seconds))
+                print(f"elastic.py: paused process {p} at step {self.started}", flush=True)
+        for p, until in list(self.paused.items()):
+            if now >= until:
+                self.procs[p].send_signal(signal.SIGCONT)
+                del self.paused[p]
+                print(f"elastic.py: resumed process {p} at step {self.started}", flush=True)
+
     def watch_coordinator(self) -> None:
         """``--kill-coordinator K``; and if the coordinator died, up to
         ``--max-restarts`` times: every trainer is ended, the coordinator restarted (on a
@@ -611,7 +653,7 @@ class _Launcher:
 def launch(args, argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     kills, restarts = _at(args.kill, "--kill"), _at(args.restart, "--restart")
-    stalls = _at(args.stall, "--stall")
+    stalls, pauses = _at(args.stall, "--stall"), _pauses(args.pause)
     with tempfile.TemporaryDirectory() as tmp:
         events = pathlib.Path(tmp) / "events.jsonl"
         events.touch()
@@ -626,6 +668,7 @@ def launch(args, argv: list[str]) -> int:
                 run.poll_events()
                 run.watch_coordinator()
                 run.act(kills, restarts, stalls)
+                run.pause(pauses)
                 code = run.finished()
                 if code is not None:  # nobody left to reach a pending --restart's step
                     return max(code, run.late(args.late, deadline)) if args.late else code

@@ -246,6 +246,8 @@ class Attempts:
         self.records_started = False
         self.last_step: int | None = None  # run's num_steps while it trains
         self.over: int | None = None  # set when this process arrived after the last step
+        self._attempted: int | None = None  # the epoch the attempt running now agreed on
+        self._failed: int | None = None  # the epoch of the last attempt, if it failed
 
     def _adopt(self, state, step: int, view: View, layout: Layout, new_view: bool):
         """This process's state over the new mesh (healed if anyone joins), and its step.
@@ -277,7 +279,9 @@ class Attempts:
         layout, changed)``. The watchdog times what follows the agreement: waiting for
         the membership's leader (bounded by the agreement's own timeout) is not a stall
         of this process."""
-        view = self._membership.agree(members, step, jax.process_index(), self.view)
+        me = jax.process_index()
+        view = self._membership.agree(members, step, me, self.view, failed=self._failed)
+        self._attempted = view.epoch
         self._watchdog.arm(f"{label} (step {step})")
         changed = self.view is None or view.epoch != self.view.epoch
         if changed and self.view is not None:  # did one leave because of a user error?
@@ -302,6 +306,7 @@ class Attempts:
         # its entry barrier meets the others' exit barrier, and from then on every
         # process runs the same attempts in the same phase. (Resetting the cache would
         # add an entry barrier that a newcomer's first barrier could pair with instead.)
+        self._attempted = None
         with mh.live_devices(jax.devices()):
             members = _live_members()
             # The watchdog times the body only (from the agreement on): waiting in the
@@ -317,15 +322,18 @@ class Attempts:
                 self._watchdog.disarm()
         if changed and self.view is not None:
             logger.warning(
-                "lsgd_jax.elastic: from step %d on, processes %s (epoch %d): %s left, %s joined",
+                "lsgd_jax.elastic: from step %d on, processes %s (epoch %d, a new device "
+                "order): %s left, %s joined",
                 step,
                 list(layout.processes),
                 view.epoch,
                 sorted(set(self.view.processes) - set(view.processes)) or "none",
                 sorted(view.joining) or "none",
             )
-        self.view, self.layout, self.given = view, layout, None
+        self.view, self.layout, self.given, self._failed = view, layout, None, None
         _membership.note_committed()
+        if changed:  # its joiners hold the model now (see _membership.leader)
+            _membership.mark_committed(view.epoch)
         return out, step, changed
 
     def retrying(self, label: str, state, step: int, work: Callable[..., Any]):
@@ -353,6 +361,8 @@ class Attempts:
                     raise _membership.run_over(jax.process_index(), self.over) from None
                 if not peer_gone(e):  # the user's error (or the coordinator's loss): at once
                     raise
+                # Its view's communicators may be broken: a retry gets a new epoch.
+                self._failed = self._attempted
                 # A dead peer, a timed-out collective, a new member; or a peer that left
                 # with an error of the user's (then this process stops too).
                 me, n = jax.process_index(), jax.process_count()

@@ -7,7 +7,8 @@ membership (an epoch) in the coordination service's key-value store, with the st
 survivors are at and who joins; every process reads that record, so a process that
 just (re)started learns the epoch, the step and that it must receive the state. The
 leader is the lowest live process that holds the model: one that was in the last
-recorded membership and not joining in it (it has the survivors' state and step). So
+recorded membership and not joining in it, or any member of it once an attempt of it
+committed (it has the survivors' state and step). So
 no process is special: process 0 too may die and come back (with the coordination
 service in a process of its own, ``lsgd_jax.elastic_coordinator``), and then it joins
 like any other.
@@ -18,6 +19,9 @@ order. A restarted process cannot reuse the key its dead incarnation registered
 at the dead peer. So each epoch uses a device order no earlier epoch used: the epoch
 number, written in a mixed radix, picks a permutation of the process rows and of each
 process's devices (an order repeats only after ``n! * (d!)**n`` membership changes).
+An attempt that failed with the membership unchanged (a collective timed out, a peer
+paused for less than the heartbeat timeout) can leave those communicators broken on
+every process: its retry gets a new epoch too, with the same members and no joiner.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from typing import Any
 
 from jax.sharding import Mesh
@@ -258,21 +263,59 @@ def _latest(c: Any) -> View | None:
         return None
 
 
-def leader(members: tuple[tuple[int, int], ...], latest: View | None) -> int | None:
-    """The process that records the next view: the lowest live one that holds the model
-    (in ``latest`` with the same incarnation and not joining in it); the lowest live one
-    before any view; None when no live process holds it.
+def leader(
+    members: tuple[tuple[int, int], ...], latest: View | None, committed: int | None = None
+) -> int | None:
+    """The process that records the next view: the lowest live one that holds the model;
+    the lowest live one before any view; None when no live process holds it.
+
+    A live process holds the model when it is in ``latest`` with the same incarnation
+    and either was not joining in it or an attempt of ``latest`` committed (``committed``
+    is its epoch: a joiner healed then).
+
+    Args:
+      members: the live ``(process, incarnation)`` pairs.
+      latest: the last recorded view (None: none yet).
+      committed: the epoch of the last view an attempt committed (None: none yet).
+
+    Returns:
+      The leader's process index, or None.
 
     Example:
       >>> from lsgd_jax._membership import View, leader
       >>> latest = View(((0, 5), (1, 6), (2, 7)), 4, 30, (0,))  # process 0 was joining
       >>> leader(((0, 5), (1, 6)), latest), leader(((0, 9), (2, 7)), None)
       (1, 0)
+      >>> leader(((0, 5),), latest), leader(((0, 5),), latest, committed=4)
+      (None, 0)
     """
     if latest is None:
         return min(p for p, _ in members)
-    holders = [p for p, i in members if (p, i) in latest.members and p not in latest.joining]
+    healed = committed is not None and committed >= latest.epoch
+    holders = [
+        p for p, i in members if (p, i) in latest.members and (healed or p not in latest.joining)
+    ]
     return min(holders) if holders else None
+
+
+COMMITTED = f"{PREFIX}/committed"
+
+
+def mark_committed(epoch: int) -> None:
+    """Records that an attempt of the view ``epoch`` committed (its joiners hold the
+    model now). Each process writes it after its first committed attempt of a view,
+    before its next attempt, so a sole survivor reads its own mark."""
+    try:
+        client().key_value_set(COMMITTED, str(int(epoch)), allow_overwrite=True)
+    except Exception:  # the service is gone: nobody can lead anyway
+        pass
+
+
+def _committed(c: Any) -> int | None:
+    try:
+        return int(c.key_value_try_get(COMMITTED))
+    except Exception:  # NOT_FOUND: no attempt committed yet
+        return None
 
 
 class Membership:
@@ -282,10 +325,16 @@ class Membership:
         self._timeout_ms = int(timeout_s * 1000)
 
     def agree(
-        self, members: tuple[tuple[int, int], ...], step: int, me: int, committed: View | None
+        self,
+        members: tuple[tuple[int, int], ...],
+        step: int,
+        me: int,
+        committed: View | None,
+        failed: int | None = None,
     ) -> View:
         """The view for these live members: the leader (:func:`leader`) records it when
-        the membership changed, every process reads it.
+        the membership changed, or when the last attempt failed with it unchanged;
+        every process reads it.
 
         Args:
           members: ``(process, incarnation)`` of every live process, by process (the
@@ -295,6 +344,10 @@ class Membership:
           committed: the view of this process's last successful attempt (None at
             first). The leader's says who joins: whoever was not in it (an attempt that
             failed healed no one).
+          failed: the epoch of this process's last attempt if it failed (None if it
+            succeeded, or failed before it agreed on a view). A view of that epoch with
+            the same members is not used again: its communicators may be broken (a
+            timed-out collective), so its retry gets the next epoch, a new device order.
 
         Returns:
           The agreed :class:`View`.
@@ -306,9 +359,10 @@ class Membership:
         c = client()
         key = _key(members)
         latest = _latest(c)
-        if latest is not None and latest.members == members:
+        retry = latest is not None and latest.members == members and latest.epoch == failed
+        if latest is not None and latest.members == members and not retry:
             return latest  # unchanged (the usual step): one read of the store
-        lead = leader(members, latest)
+        lead = leader(members, latest, _committed(c))
         if lead is None:
             end = finished_step()
             if end is not None:
@@ -320,7 +374,7 @@ class Membership:
                 "job (from a checkpoint)."
             )
         if me == lead:
-            if latest is not None:
+            if latest is not None and not retry:
                 # The old record goes first: if that membership comes back later, its
                 # readers wait for the new record instead of reading a stale epoch.
                 c.key_value_delete(_key(latest.members))
@@ -330,7 +384,25 @@ class Membership:
             view = View(members, epoch, step, joining)
             c.key_value_set(LATEST, view.to_json(), allow_overwrite=True)
             c.key_value_set(key, view.to_json(), allow_overwrite=True)
-        return View.from_json(c.blocking_key_value_get(key, self._timeout_ms))
+            return view
+        return self._read(c, key, failed if retry else None)
+
+    def _read(self, c: Any, key: str, after: int | None) -> View:
+        """The view recorded under ``key``; with ``after``, one of a later epoch (the
+        leader's record for a retry replaces the failed one's under the same key)."""
+        deadline = time.monotonic() + self._timeout_ms / 1000
+        while True:
+            left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+            view = View.from_json(c.blocking_key_value_get(key, left_ms))
+            if after is None or view.epoch > after:
+                return view
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"lsgd_jax.elastic: no new membership record after the failed attempt "
+                    f"of epoch {after} within {self._timeout_ms / 1000:g} s (its leader did "
+                    "not record one); this is a bug, please report it."
+                )
+            time.sleep(0.01)
 
 
 def forget_global_topology() -> list[str]:

@@ -109,6 +109,24 @@ def test_a_process_killed_or_stopped_by_the_launcher_is_left_behind(tmp_path, ho
     check_finished_together(records, survivors, out)
 
 
+def test_a_collective_that_times_out_with_every_process_alive_is_retried_anew(tmp_path):
+    # Process 1 paused 4 s: longer than the collective timeout (1 s), shorter than the
+    # heartbeat timeout (10 s). The others' collectives time out, its own then meet
+    # closed pairs; nobody left. The retry gets a new epoch (a new device order, new
+    # communicators): before, it reused the broken ones and failed 20 times in a row.
+    args = ["--pause", "1@10:4", "--heartbeat", "10", "--collective-timeout", "1"]
+    code, _, records, out = launch(tmp_path, *args, "--step-time", "0.05")
+    assert code == 0, out[-3000:]
+    assert "resumed process 1" in out
+    for p in range(3):
+        assert steps_of(records, p) == list(range(STEPS)), out[-3000:]
+    assert all(r["live_processes"] == [0, 1, 2] for r in records if "step" in r)
+    retried = [r for r in records if r.get("failures")]
+    assert retried and max(r["failures"] for r in retried) <= 3, retried
+    assert "epoch 1, a new device order" in out, out[-3000:]
+    check_finished_together(records, [0, 1, 2], out)
+
+
 def test_a_process_stuck_in_python_is_ended_by_its_watchdog(tmp_path):
     # Its heartbeats go on, so only its own watchdog can end it; then it is dead.
     # (the watchdog must outlast collective_timeout_s 5 + heartbeat_timeout_s 3: checked)

@@ -233,6 +233,61 @@ def test_the_leader_is_the_lowest_live_process_that_holds_the_model():
     back = View(((0, 9), (1, 6), (2, 7)), 4, 26, (0,))
     assert _membership.leader(((0, 9), (2, 7)), back) == 2  # joining in the last one
     assert _membership.leader(((0, 9),), back) is None  # nobody holds the model
+    # ... unless an attempt of that view committed: process 0 was healed then (seen in
+    # the soak: the sole survivor had joined in the last view, and was refused).
+    assert _membership.leader(((0, 9),), back, committed=4) == 0
+    assert _membership.leader(((0, 9),), back, committed=3) is None  # an older commit
+
+
+class FakeStore:
+    """The coordination service's key-value store, as ``Membership`` uses it."""
+
+    def __init__(self):
+        self.kv: dict[str, str] = {}
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self.kv[key] = value
+
+    def key_value_try_get(self, key):
+        if key not in self.kv:
+            raise KeyError(key)
+        return self.kv[key]
+
+    def key_value_delete(self, key):
+        self.kv.pop(key, None)
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        return self.key_value_try_get(key)
+
+
+def test_a_failed_attempt_with_the_same_members_gets_a_new_epoch(monkeypatch):
+    store = FakeStore()
+    monkeypatch.setattr(_membership, "client", lambda: store)
+    m = _membership.Membership(timeout_s=1.0)
+    members = ((0, 5), (1, 6), (2, 7))
+    first = m.agree(members, 0, 0, None)
+    assert (first.epoch, first.joining) == (0, ())
+    assert m.agree(members, 3, 1, first) == first  # unchanged: no new record
+    # Step 3's attempt of epoch 0 failed everywhere (a collective timed out): a process
+    # that is not the leader reads the old record and waits for the leader's new one.
+    with pytest.raises(RuntimeError, match="no new membership record after the failed attempt"):
+        m.agree(members, 3, 1, first, failed=0)
+    retry = m.agree(members, 3, 0, first, failed=0)  # the leader records it
+    assert (retry.members, retry.epoch, retry.step, retry.joining) == (members, 1, 3, ())
+    assert m.agree(members, 3, 1, first, failed=0) == retry  # now the others read it
+    assert m.agree(members, 3, 2, first, failed=None) == retry
+    devices = {p: [f"{p}a", f"{p}b"] for p in range(3)}
+    assert _membership.device_rows(1, devices) != _membership.device_rows(0, devices)
+    # A failure of an older epoch does not bump the current one again.
+    assert m.agree(members, 3, 0, retry, failed=0) == retry
+    # The committed mark: after process 2 restarts and joins at epoch 2, which commits,
+    # it holds the model even if it is the only one left.
+    back = ((0, 5), (1, 6), (2, 8))
+    joined = m.agree(back, 5, 0, retry)
+    assert (joined.epoch, joined.joining) == (2, (2,))
+    _membership.mark_committed(2)
+    alone = m.agree(((2, 8),), 6, 2, joined)
+    assert (alone.epoch, alone.joining, alone.processes) == (3, (), (2,))
 
 
 def test_initialize_refuses_an_external_coordinator_that_is_not_a_bool():
