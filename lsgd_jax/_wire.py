@@ -112,9 +112,18 @@ def split_two_level(
     """``(inner axis, outer axes)`` when a mean over ``group`` can go in two levels: the
     group holds ``inner`` (the node's devices) and at least one axis more.
 
-    A group without ``inner`` takes one level (a node-local level, or an IndexGroups
-    under ``pmap``); but an ``inner`` that is not even a bound axis is a misspelling, and
-    an error (see :func:`check_inner_axis`).
+    Else the mean takes one level (None): a group of ``inner`` alone (the node-local
+    mean itself), a group without ``inner`` (e.g. ``("node",)``, one device of each node),
+    or an IndexGroups under ``pmap``. But an ``inner`` that is not even a bound axis is a
+    misspelling, and an error (see :func:`check_inner_axis`).
+
+    Args:
+      group: the mean's axes (or IndexGroups).
+      inner: the node-local axis.
+      what: the option's name, for the error.
+
+    Returns:
+      ``(inner, outer axes)``, or None for one level.
     """
     check_inner_axis(group, inner, what)
     if isinstance(group, IndexGroups) or inner not in group or len(group) < 2:
