@@ -201,6 +201,19 @@ def check_members(
     return members
 
 
+def _log_change(step: int, before: View, view: View, rows: tuple[int, ...]) -> None:
+    """Logs a new membership: its processes in the order of the mesh's rows."""
+    logger.warning(
+        "lsgd_jax.elastic: from step %d on, processes %s (epoch %d, a new device order): "
+        "%s left, %s joined",
+        step,
+        list(rows),
+        view.epoch,
+        sorted(set(before.processes) - set(view.processes)) or "none",
+        sorted(view.joining) or "none",
+    )
+
+
 # Errors that end this process without being the user's (not posted for the others).
 _NOT_THE_USERS = (CoordinatorLostError, LeftBehindError)
 
@@ -321,15 +334,7 @@ class Attempts:
             finally:
                 self._watchdog.disarm()
         if changed and self.view is not None:
-            logger.warning(
-                "lsgd_jax.elastic: from step %d on, processes %s (epoch %d, a new device "
-                "order): %s left, %s joined",
-                step,
-                list(layout.processes),
-                view.epoch,
-                sorted(set(self.view.processes) - set(view.processes)) or "none",
-                sorted(view.joining) or "none",
-            )
+            _log_change(step, self.view, view, layout.processes)
         self.view, self.layout, self.given, self._failed = view, layout, None, None
         _membership.note_committed()
         if changed:  # its joiners hold the model now (see _membership.leader)

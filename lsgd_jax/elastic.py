@@ -560,6 +560,55 @@ def _consensus_work(model_state: bool) -> Callable[..., Any]:
     return work
 
 
+class _TrainWork:
+    """One training attempt's work: the step's checkpoint save (when due), the batch of
+    this process's rows, and the step program of the membership's mesh (built once per
+    device order and kept with its compiled programs)."""
+
+    def __init__(self, loss_fn, tx, options, batch_fn, checkpoints, on_attempt) -> None:
+        self._loss_fn, self._tx, self._options = loss_fn, tx, options
+        self._batch_fn, self._checkpoints, self._on_attempt = batch_fn, checkpoints, on_attempt
+        self._steps: dict[tuple[int, ...], Any] = {}
+
+    def step_fn(self, layout: Layout):
+        from lsgd_jax._step import data_parallel_step
+
+        key = tuple(d.id for d in layout.mesh.devices.flat)
+        if key not in self._steps:
+            self._steps[key] = data_parallel_step(
+                self._loss_fn, self._tx, layout.mesh, donate=False, **self._options
+            )
+        return self._steps[key]
+
+    def __call__(self, state, step: int, layout: Layout):
+        ckpt = self._checkpoints
+        if ckpt is not None and ckpt.due(step):
+            ckpt.save(state, step, layout.processes)  # the state step `step` starts from
+        if self._on_attempt is not None:
+            self._on_attempt(step, layout)
+        sharding = NamedSharding(layout.mesh, P(("node", "local")))
+        local = self._batch_fn(step, layout)
+        batch = jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), local)
+        return _split_outputs(self.step_fn(layout)(*state, batch), len(state))
+
+
+def _begin(attempts, checkpoints, template, num_steps: int, first_step: int, initial_state):
+    """``(first step, state)`` of a run: the given state, the checkpoint a new job resumes
+    from, or fresh (None); a process that (re)started after the run was over exits."""
+    ran = attempts.view is not None
+    if checkpoints is not None and _fresh_job(initial_state, first_step, ran):
+        resumed = checkpoints.resume(*template, num_steps)
+        if resumed is not None:
+            first_step, initial_state = resumed
+    state = _start_state(num_steps, first_step, initial_state, ran, template)
+    attempts.given = state  # moved onto the mesh by the first attempt that succeeds
+    attempts.records_started, attempts.last_step = False, num_steps
+    end = _membership.finished_step() if _membership.newcomer() else None
+    if end is not None and end >= num_steps:  # (re)started after the run was over
+        raise _membership.run_over(jax.process_index(), end)
+    return first_step, state
+
+
 class ElasticLoop:
     """A training loop that survives dead processes and takes restarted ones back.
 
@@ -642,12 +691,12 @@ class ElasticLoop:
         self._checkpoints = None
         if directory is not None and every is not None:
             self._checkpoints = _elastic_checkpoint.Checkpoints(directory, every)
-        self._loss_fn, self._tx, self._init_params = loss_fn, tx, init_params
         self._template = (init_params, tx, init_model_state)
-        self._batch_fn, self._options = batch_fn, dict(step_options or {})
-        self._on_step, self._on_attempt = on_step, on_attempt
+        self._work = _TrainWork(
+            loss_fn, tx, dict(step_options or {}), batch_fn, self._checkpoints, on_attempt
+        )
+        self._on_step = on_step
         self._attempts = _attempts.Attempts(self._fresh, stall_timeout_s, max_failures)
-        self._steps: dict[tuple[int, ...], Any] = {}
         self._step = 0
 
     @property
@@ -657,27 +706,6 @@ class ElasticLoop:
 
     def _fresh(self, mesh: Mesh) -> tuple[Any, ...]:
         return _fresh_state(mesh, *self._template)
-
-    def _step_fn(self, layout: Layout):
-        from lsgd_jax._step import data_parallel_step
-
-        key = tuple(d.id for d in layout.mesh.devices.flat)
-        if key not in self._steps:
-            self._steps[key] = data_parallel_step(
-                self._loss_fn, self._tx, layout.mesh, donate=False, **self._options
-            )
-        return self._steps[key]
-
-    def _train_work(self, state, step: int, layout: Layout):
-        ckpt = self._checkpoints
-        if ckpt is not None and ckpt.due(step):
-            ckpt.save(state, step, layout.processes)  # the state step `step` starts from
-        if self._on_attempt is not None:
-            self._on_attempt(step, layout)
-        sharding = NamedSharding(layout.mesh, P(("node", "local")))
-        local = self._batch_fn(step, layout)
-        batch = jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), local)
-        return _split_outputs(self._step_fn(layout)(*state, batch), len(state))
 
     def run(
         self,
@@ -717,22 +745,13 @@ class ElasticLoop:
           ...                 initial_state=first.state)
         """
         attempts = self._attempts
-        ran = attempts.view is not None
-        if self._checkpoints is not None and _fresh_job(initial_state, first_step, ran):
-            resumed = self._checkpoints.resume(*self._template, num_steps)
-            if resumed is not None:
-                first_step, initial_state = resumed
-        state = _start_state(num_steps, first_step, initial_state, ran, self._template)
-        attempts.given = state  # moved onto the mesh by the first attempt that succeeds
-        step: int = first_step
+        step, state = _begin(
+            attempts, self._checkpoints, self._template, num_steps, first_step, initial_state
+        )
         records: list[StepRecord] = []
-        attempts.records_started, attempts.last_step = False, num_steps
-        end = _membership.finished_step() if _membership.newcomer() else None
-        if end is not None and end >= num_steps:  # (re)started after the run was over
-            raise _membership.run_over(jax.process_index(), end)
         while step < num_steps:
             (state, loss, aux), step, recovery, failures = attempts.retrying(
-                "training step", state, step, self._train_work
+                "training step", state, step, self._work
             )
             assert self.layout is not None  # set by the attempt that succeeded
             record = _record(step, self.layout.processes, loss, recovery, failures, aux)
