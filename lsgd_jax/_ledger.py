@@ -14,9 +14,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import numpy as np
 
-from lsgd_jax import _validate
+from lsgd_jax import _phase, _validate
+from lsgd_jax._phase_plan import SKIPPING_WRAPPERS
 from lsgd_jax._report import CommunicationReport, parse_hlo
 
 _WHERE = ("across", "inside", "all")
@@ -48,6 +50,9 @@ class PhaseBytes:
       across_wire: the same, as wire bytes (``Collective.wire_bytes``).
       inside: bytes into collectives that stay inside a node.
       inside_wire: the same, as wire bytes.
+      across_count: how many collectives span nodes (on a slow link each one costs a
+        latency, whatever its size).
+      inside_count: how many stay inside a node.
     """
 
     report: CommunicationReport
@@ -55,6 +60,8 @@ class PhaseBytes:
     across_wire: int
     inside: int
     inside_wire: int
+    across_count: int = 0
+    inside_count: int = 0
 
     @classmethod
     def of(cls, report: CommunicationReport, inner_axes: tuple[str, ...]) -> PhaseBytes:
@@ -70,6 +77,8 @@ class PhaseBytes:
             sum(c.wire_bytes for c, x in zip(report, cross) if x),
             sum(c.bytes for c, x in zip(report, cross) if not x),
             sum(c.wire_bytes for c, x in zip(report, cross) if not x),
+            sum(cross),
+            len(cross) - sum(cross),
         )
 
 
@@ -78,15 +87,21 @@ class Ledger:
     """Bytes per device of each step of a run, from its compiled programs and schedule.
 
     Attributes:
-      phases: ``{program: PhaseBytes}``, one per program the run uses (a phase index,
-        or ``"switch"`` / ``"cond"`` for a step that runs one program).
-      steps: the program of each step, in order (length ``num_steps``).
+      phases: ``{phase: PhaseBytes}``, one per phase the run takes (a phase index; or
+        ``"switch"`` / ``"cond"`` when the phase of each call cannot be known ahead).
+      steps: the phase of each step, in order (length ``num_steps``).
       inner_axes: the mesh axes inside one node.
+      exact: False when the step runs one program for every phase and its optimizer
+        may skip updates (``optax.MultiSteps``, ``apply_if_finite``, masks), so the
+        phase of each call is decided on the device: every step is then charged all
+        of its program's collectives, branches it does not take included (an upper
+        bound).
     """
 
     phases: dict[Any, PhaseBytes]
     steps: tuple[Any, ...]
     inner_axes: tuple[str, ...]
+    exact: bool = True
 
     def per_step(self, where: str = "across", wire: bool = False) -> np.ndarray:
         """Bytes per device of each step: ``"across"`` nodes, ``"inside"`` them, or
@@ -98,15 +113,30 @@ class Ledger:
         cost = {k: sum(getattr(v, p + suffix) for p in parts) for k, v in self.phases.items()}
         return np.array([cost[k] for k in self.steps], np.int64)
 
+    def collectives(self, where: str = "across") -> np.ndarray:
+        """How many collectives each step runs: ``"across"`` nodes, ``"inside"`` them,
+        or ``"all"`` (each one waits at least a link's latency)."""
+        _validate.one_of(where, "Ledger.collectives: where", _WHERE)
+        parts = ("across", "inside") if where == "all" else (where,)
+        cost = {k: sum(getattr(v, p + "_count") for p in parts) for k, v in self.phases.items()}
+        return np.array([cost[k] for k in self.steps], np.int64)
+
     def total(self, where: str = "across", wire: bool = False) -> int:
         """Bytes per device over the whole run (see :meth:`per_step`)."""
         return int(self.per_step(where, wire).sum())
 
     def __str__(self) -> str:
         counts = {k: self.steps.count(k) for k in self.phases}
-        head = ("program", "steps", "across/step", "wire across/step", "inside/step")
+        head = ("program", "steps", "across/step", "wire across/step", "inside/step", "ops across")
         rows = [head] + [
-            (str(k), str(counts[k]), f"{v.across:,}", f"{v.across_wire:,}", f"{v.inside:,}")
+            (
+                str(k),
+                str(counts[k]),
+                f"{v.across:,}",
+                f"{v.across_wire:,}",
+                f"{v.inside:,}",
+                str(v.across_count),
+            )
             for k, v in self.phases.items()
         ]
         rows.append(
@@ -116,11 +146,14 @@ class Ledger:
                 f"{self.total():,}",
                 f"{self.total(wire=True):,}",
                 f"{self.total('inside'):,}",
+                f"{int(self.collectives().sum()):,}",
             )
         )
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines = ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
+        if not self.exact:
+            lines.append("(an upper bound: every branch of the one program is charged)")
         return "\n".join(lines)
 
 
@@ -132,7 +165,13 @@ def communication_ledger(
     Compiles (without running) the programs ``step`` will run for its next
     ``num_steps`` calls from these arguments, the same ones those calls then use
     (``step.compile``), reads each one's collectives, and charges
-    every step the bytes of its phase (replayed from the step counters). A collective
+    every step the bytes of its phase (replayed from the step counters). A step that
+    runs one program for every phase (``specialize="switch"`` or ``False``) takes one
+    branch per call: each phase's program is then compiled for the ledger alone (the
+    branch it takes sends what that program sends), so that a step is charged its
+    own branch, not all of them; where the phase of a call is decided on the device
+    (an optimizer that may skip updates), every branch is charged and
+    ``ledger.exact`` is False. A collective
     crosses nodes when its groups span a mesh axis other than ``inner_axes``. Inside a
     phase's program a collective under a conditional is charged whenever the phase
     runs (the model state's mean, which runs whenever the params average), except the
@@ -170,7 +209,20 @@ def communication_ledger(
         )
     inner = (inner_axes,) if isinstance(inner_axes, str) else tuple(inner_axes)
     num_steps = _validate.positive_int(num_steps, "communication_ledger: num_steps")
-    programs = step.programs_of(*args, num_steps=num_steps)
     mesh = step._spec.mesh
+    plan = step.plan_of(*args, num_steps=num_steps)
+    opt_state = step.jit_args(*args)[2]
+    one_program = isinstance(plan[0], str) and _phase.num_phases(opt_state) > 1
+    skips = any(isinstance(x, SKIPPING_WRAPPERS) for x in _nodes(opt_state))
+    if one_program and not skips:  # charge each call its own branch: its phase's program
+        plan = _phase.replay_phases(_phase.counters_snapshot(opt_state), num_steps).tolist()
+        jit_args = step.jit_args(*args)
+        programs = [(k, step._program(k).lower(*jit_args).compile()) for k in dict.fromkeys(plan)]
+    else:
+        programs = step.programs_of(*args, num_steps=num_steps)
     phases = {k: PhaseBytes.of(parse_hlo(c.as_text(), mesh=mesh), inner) for k, c in programs}
-    return Ledger(phases, tuple(step.plan_of(*args, num_steps=num_steps)), inner)
+    return Ledger(phases, tuple(plan), inner, exact=not (one_program and skips))
+
+
+def _nodes(opt_state: Any) -> list[Any]:
+    return jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, SKIPPING_WRAPPERS))
