@@ -216,7 +216,8 @@ def configs(start: int) -> list[dict]:
     can travel (``comm``: ``flat`` one all-reduce; ``two_level`` reduce-scatter in the
     node, all-reduce across, all-gather in the node; ``int8`` / ``int4`` quantized
     averages with error feedback, two-level; the hook's global gradient mean two-level
-    in all of those) and a delayed average (``delay``)."""
+    in all of those, or quantized with error feedback (``hook_comm``) in DDP and the
+    warm-up) and a delayed average (``delay``)."""
     h16 = {16: "global"}
     return [
         {"name": "DDP", "start": None, "grad_allreduce": True, "levels": {}},
@@ -241,6 +242,19 @@ def configs(start: int) -> list[dict]:
          "comm": "int4"},
         {"name": "H=16, 4-bit two-level, no grad all-reduce, delay 8", "start": start,
          "grad_allreduce": False, "levels": h16, "comm": "int4", "delay": 8},
+        # The hook's global gradient means quantized too (error feedback in its state):
+        # DDP itself, and the warm-up steps before the switch.
+        {"name": "DDP, int8 gradients", "start": None, "grad_allreduce": True,
+         "levels": {}, "comm": "int8", "hook_comm": "int8"},
+        {"name": "DDP, 4-bit gradients", "start": None, "grad_allreduce": True,
+         "levels": {}, "comm": "int4", "hook_comm": "int4"},
+        {"name": "H=16, 4-bit two-level, no grad all-reduce, int8 warm-up", "start": start,
+         "grad_allreduce": False, "levels": h16, "comm": "int4", "hook_comm": "int8"},
+        {"name": "H=16, 4-bit two-level, no grad all-reduce, 4-bit warm-up", "start": start,
+         "grad_allreduce": False, "levels": h16, "comm": "int4", "hook_comm": "int4"},
+        {"name": "hierarchy 2: local, 16: 4-bit two-level, no grad all-reduce, 4-bit warm-up",
+         "start": start, "grad_allreduce": False, "levels": {2: "local", 16: "global"},
+         "comm": "int4", "hook_comm": "int4"},
     ]  # fmt: skip
 
 
@@ -263,7 +277,11 @@ def comm_of(config: dict) -> str:
 
 
 def hook_comm_of(config: dict) -> str:
-    """How the run's global gradient means travel: two-level unless the run is flat."""
+    """How the run's global gradient means travel: the run's ``hook_comm`` (``int8`` /
+    ``int4``: quantized with error feedback in the hook's state); else two-level unless
+    the run is flat."""
+    if "hook_comm" in config:
+        return config["hook_comm"]
     return "flat" if comm_of(config) == "flat" else "two_level"
 
 

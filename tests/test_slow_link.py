@@ -75,6 +75,14 @@ def test_allreduces_per_step_and_the_bound():
         "H=16, 4-bit two-level, no grad all-reduce": (0.0, 1 / 16),
         "hierarchy 2: local, 16: 4-bit two-level, no grad all-reduce": (7 / 16, 1 / 16),
         "H=16, 4-bit two-level, no grad all-reduce, delay 8": (0.0, 1 / 16),
+        "DDP, int8 gradients": (0.0, 1.0),
+        "DDP, 4-bit gradients": (0.0, 1.0),
+        "H=16, 4-bit two-level, no grad all-reduce, int8 warm-up": (0.0, 1 / 16),
+        "H=16, 4-bit two-level, no grad all-reduce, 4-bit warm-up": (0.0, 1 / 16),
+        "hierarchy 2: local, 16: 4-bit two-level, no grad all-reduce, 4-bit warm-up": (
+            7 / 16,
+            1 / 16,
+        ),
     }
     c, loc, g = 0.1, 0.05, 1.0
     assert sl.speedup_bound(c, loc, g, cfgs["DDP"]) == pytest.approx(1.0)
@@ -229,10 +237,15 @@ def test_how_each_run_communicates():
     cfgs = by_name()
     assert [sl.comm_of(c) for c in cfgs.values()] == [
         "flat", "flat", "flat", "flat", "two_level", "two_level", "int8", "int4", "int4", "int4",
-        "int4",
+        "int4", "int8", "int4", "int4", "int4", "int4",
     ]  # fmt: skip
-    # the hook's global gradient mean: two-level wherever the run is not flat
+    # the hook's global gradient mean: two-level wherever the run is not flat, unless
+    # the run quantizes it (DDP and the warm-up, with error feedback)
     assert sl.hook_comm_of(cfgs["H=16, int8 two-level"]) == "two_level"
+    assert sl.hook_comm_of(cfgs["DDP, 4-bit gradients"]) == "int4"
+    assert sl.global_piece(cfgs["DDP, int8 gradients"]) == "int8"
+    warm = cfgs["H=16, 4-bit two-level, no grad all-reduce, 4-bit warm-up"]
+    assert (sl.hook_comm_of(warm), sl.comm_of(warm)) == ("int4", "int4")
     assert sl.global_piece(cfgs["DDP, two-level"]) == "two_level"
     assert sl.global_piece(cfgs["H=16, 4-bit two-level"]) == "int4"
     # steps 0 .. 79, switch at 4: 4 gradient means, then averages at 4, 20, 36, 52, 68
