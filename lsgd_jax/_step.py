@@ -13,7 +13,7 @@ import collections
 import concurrent.futures
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -46,6 +46,7 @@ def data_parallel_step(
     overlap: bool | None = None,
     compile_ahead: int = 4,
     fsdp_axes: str | Sequence[str] | None = None,
+    compiler_options: Mapping[str, Any] | None = None,
 ) -> DataParallelStep:
     """A jitted, donated ``shard_map`` training step over per-replica params and state.
 
@@ -159,6 +160,9 @@ def data_parallel_step(
         The numbers are those of the unsharded run up to float rounding. Needs
         ``lowering="shard_map"``. None: each replica's values whole on its devices (a
         further model axis is left to the compiler, as said under ``mesh``).
+      compiler_options: XLA options for every program of the step (as ``jax.jit``'s
+        ``compiler_options``), e.g. ``{"xla_gpu_enable_latency_hiding_scheduler":
+        True}`` on GPU; an option XLA does not know fails the first compile, naming it.
       check_in_sync_every: on the first call and then every this many calls, run
         :func:`assert_replicas_in_sync` on the incoming optimizer state, so that replicas
         or processes whose step counters differ fail with an error instead of hanging
@@ -224,7 +228,10 @@ def data_parallel_step(
             f"{lowering!r}); with lowering='jit', shard the params over a model axis "
             "yourself and leave it to the compiler."
         )
-    spec = StepSpec(loss_fn, tx, mesh, axes, has_aux, with_model_state, donate, lowering, fsdp)
+    options = _step_inputs.check_compiler_options(compiler_options)
+    spec = StepSpec(
+        loss_fn, tx, mesh, axes, has_aux, with_model_state, donate, lowering, fsdp, options
+    )
     return DataParallelStep(
         spec,
         specialize=specialize,

@@ -9,6 +9,7 @@ that names the leaf and says how to make it right.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -109,3 +110,25 @@ def check_batch(batch: Any, n: int, axes: tuple[str, ...], processes: int, split
                 f"NamedSharding(mesh, P({axes})), local_batch).",
                 stacklevel=5,
             )
+
+
+def check_compiler_options(options: Any) -> tuple[tuple[str, Any], ...]:
+    """``data_parallel_step``'s ``compiler_options`` as sorted items (a StepSpec field:
+    hashable); a TypeError for anything but a mapping of option names to str, bool,
+    int or float values.
+
+    Example:
+      >>> from lsgd_jax._step_inputs import check_compiler_options
+      >>> check_compiler_options({"xla_embed_ir_in_executable": True})
+      (('xla_embed_ir_in_executable', True),)
+    """
+    if options is None:
+        return ()
+    if not isinstance(options, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, (str, bool, int, float)) for k, v in options.items()
+    ):
+        raise TypeError(
+            "data_parallel_step: compiler_options must be a dict of XLA option names to "
+            f"str, bool, int or float values (as jax.jit's), got {options!r}."
+        )
+    return tuple(sorted(options.items()))

@@ -118,6 +118,7 @@ class StepSpec:
     donate: bool
     lowering: str = "shard_map"
     fsdp_axes: tuple[str, ...] = ()
+    compiler_options: tuple[tuple[str, Any], ...] = ()  # jax.jit's, as sorted items
 
     def gradients(self, params: Any, model_state: Any, batch: Any) -> tuple:
         """``(loss, aux, grads, new model state)`` of this replica's loss.
@@ -238,6 +239,7 @@ def program(spec: StepSpec, mode: int | str) -> Any:
         {} if manual == frozenset(spec.mesh.axis_names) else {"axis_names": manual}
     )
     donate = (0, 1, 2) if spec.donate else ()
+    options = dict(spec.compiler_options) or None
     if spec.lowering == "shard_map":
         mapped = jax.shard_map(
             _replica_body(spec, mode, spec.whole_step),
@@ -246,7 +248,7 @@ def program(spec: StepSpec, mode: int | str) -> Any:
             out_specs=(rep, rep, rep, P(), P(), rep),
             **kwargs,
         )
-        return jax.jit(mapped, donate_argnums=donate)
+        return jax.jit(mapped, donate_argnums=donate, compiler_options=options)
 
     def update(operands, phase):
         params, model_state, opt_state, grads, loss, aux = operands
@@ -269,4 +271,4 @@ def program(spec: StepSpec, mode: int | str) -> Any:
         loss, aux, grads, model_state = jax.vmap(spec.gradients)(params, model_state, per_replica)
         return mapped_update(params, model_state, opt_state, grads, loss, aux)
 
-    return jax.jit(step, donate_argnums=donate)
+    return jax.jit(step, donate_argnums=donate, compiler_options=options)

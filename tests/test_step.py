@@ -286,3 +286,35 @@ def test_the_default_keeps_few_programs_queued_per_device():
         pending = [x for x in losses if not x.is_ready()]
         assert len(pending) <= 3, len(pending)  # the 2 allowed, and the one just dispatched
     assert len(step._in_flight) == 2
+
+
+@pytest.mark.parametrize("lowering", ["shard_map", "jit"])
+def test_compiler_options_reach_every_program(lowering):
+    mesh = mesh_2x4()
+    tx = optax.chain(
+        lsgd_jax.post_local_sgd(1),
+        optax.sgd(0.1),
+        lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(2, warmup_steps=1)),
+    )
+    loss = lambda p, b: jnp.mean((b @ p) ** 2)  # noqa: E731
+    p0, s0 = lsgd_jax.replicate(jnp.ones(3), mesh), lsgd_jax.replicate(tx.init(jnp.ones(3)), mesh)
+    batch = jnp.arange(24.0).reshape(8, 3) / 24
+
+    def run(**kwargs):
+        step = lsgd_jax.data_parallel_step(
+            loss, tx, mesh, donate=False, lowering=lowering, **kwargs
+        )
+        p, s = p0, s0
+        for _ in range(3):  # phases 1, then 0 and an average
+            p, s, _ = step(p, s, batch)
+        return step, p
+
+    step, p = run(compiler_options={"xla_embed_ir_in_executable": True})
+    _, want = run()
+    np.testing.assert_array_equal(np.asarray(p), np.asarray(want))
+    assert step._spec.compiler_options == (("xla_embed_ir_in_executable", True),)
+    # An unknown option fails the first compile of a program, naming it.
+    with pytest.raises(Exception, match="xla_no_such_option"):
+        run(compiler_options={"xla_no_such_option": True})
+    with pytest.raises(TypeError, match="compiler_options must be a dict.*got \\['x'\\]"):
+        lsgd_jax.data_parallel_step(loss, tx, mesh, compiler_options=["x"])
