@@ -46,6 +46,10 @@ PROCESS_GROUPS = dict.fromkeys(
 )
 
 
+# tryfirst: pytest-xdist reads the xdist_group markers in its own hook of this name on
+# each worker; without it, that hook ran before this one and saw no group, so the
+# multi-process files were spread over both workers after all.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         name = pathlib.Path(str(item.fspath)).name
