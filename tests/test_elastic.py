@@ -138,10 +138,11 @@ def test_a_process_stuck_in_python_is_ended_by_its_watchdog(tmp_path):
     check_finished_together(records, survivors, out)
 
 
-@pytest.mark.parametrize("comm", ["flat", "int4"])
-def test_a_restarted_process_rejoins_and_ends_with_the_same_model(tmp_path, comm):
-    # int4: 4-bit two-level averages whose error-feedback residual is per replica (a
-    # joiner starts with zero, test_elastic_pieces.py).
+def test_a_restarted_process_rejoins_and_ends_with_the_same_model(tmp_path):
+    # With 4-bit two-level averages, whose error-feedback residual is per replica (a
+    # joiner starts with zero, test_elastic_pieces.py); a restart with float32 averages
+    # is the trainer-0 test below.
+    comm = "int4"
     steps = 40
     code, _, records, out = launch(
         tmp_path,
@@ -182,26 +183,30 @@ def test_when_process_0_hosts_the_service_and_dies_every_process_ends_quickly(tm
     assert seconds < 90
 
 
-def test_with_a_coordinator_process_trainer_0_may_die_and_come_back(tmp_path):
+def test_trainer_0_may_die_and_come_back_and_then_process_1_may_die(tmp_path):
     # The coordination service runs in a process of its own (the launcher's default):
     # SIGKILL of trainer 0 costs the others one failed step; they go on, led by process
-    # 1; trainer 0 restarted joins them and all three end with one model.
-    # Restarted at once: it starts up while the others find it dead and go on.
-    steps = 32
+    # 1; trainer 0, restarted at once (it starts up while the others find it dead),
+    # joins them. Then process 1 dies: the change is led by the lowest live process
+    # that holds the model, and 0 and 2 end with one model. (One launch for what were
+    # two tests: each launch costs ~15 s of start-up.)
+    steps, second = 32, 20
     for attempt in range(2):
         (tmp_path / str(attempt)).mkdir()
         code, seconds, records, out = launch(
-            tmp_path / str(attempt), *("--kill", "0@8", "--restart", "0@8"), "--step-time", "0.2",
-            steps=steps,
+            tmp_path / str(attempt),
+            *("--kill", "0@8", "--restart", "0@8", "--kill", f"1@{second}"),
+            "--step-time", "0.2", steps=steps,
         )  # fmt: skip
         if not (GLOO_ABORT in out and "aborted (SIGABRT)" in out):
             break  # else gloo aborted a survivor (docs/failures.md): once more
         print("gloo aborted a survivor (known limitation); running it again")
     assert code == 0, out[-3000:]
     assert "serving 3 processes" in out and "leader task" not in out, out[-3000:]
-    for p in (1, 2):
-        assert steps_of(records, p) == list(range(steps))
-    # The step it died in: the others' first one that followed a failure.
+    assert steps_of(records, 2) == list(range(steps))
+    assert steps_of(records, 1)[: second - 2] == list(range(second - 2))
+    assert len(steps_of(records, 1)) <= second + 1
+    # The step trainer 0 died in: the others' first one that followed a failure.
     died = min(r["step"] for r in records if r.get("recovery_s") and r["process"] != 0)
     lost = [r for r in records if r.get("step") == died and r["process"] != 0]
     mine = steps_of(records, 0)
@@ -210,40 +215,19 @@ def test_with_a_coordinator_process_trainer_0_may_die_and_come_back(tmp_path):
     k = next((i for i, s in enumerate(mine) if i != s), died)
     back = mine[k]  # the first step of its new incarnation: that one, or a later one
     assert 8 <= died <= 9 and died - 2 <= k <= died and back >= died, mine
-    assert mine == list(range(k)) + list(range(back, steps)), mine
+    assert back < second and mine == list(range(k)) + list(range(back, steps)), mine
     assert len(lost) == 2 and all(r["recovery_s"] for r in lost), lost  # a failed step
     if back > died:  # it came back after that step: the others ran it alone
         assert all(r["live_processes"] == [1, 2] for r in lost), lost
     rejoined = [r for r in records if r.get("step") == back]
     assert {r["process"] for r in rejoined} == {0, 1, 2}
     assert len({r["loss"] for r in rejoined}) == 1  # one step, one mean loss
-    check_finished_together(records, [0, 1, 2], out)
     recovery = max(r["recovery_s"] for r in lost)
     print(f"trainer 0 killed: recovery {recovery:.2f} s; run {seconds:.1f} s")
     assert recovery < 30, recovery
-
-
-def test_after_trainer_0_came_back_process_1_may_die_too(tmp_path):
-    # 0 dies and is restarted; then 1 dies: that change is led by process 2 (0 was
-    # joining in the last recorded membership, so it does not hold the model by the
-    # record yet), and 0 and 2 finish with one model.
-    steps = 26
-    for attempt in range(2):
-        (tmp_path / str(attempt)).mkdir()
-        code, seconds, records, out = launch(
-            tmp_path / str(attempt), *("--kill", "0@6", "--restart", "0@6", "--kill", "1@14"),
-            "--step-time", "0.2", steps=steps,
-        )  # fmt: skip
-        if not (GLOO_ABORT in out and "aborted (SIGABRT)" in out):
-            break  # else gloo aborted a survivor (docs/failures.md): once more
-        print("gloo aborted a survivor (known limitation); running it again")
-    assert code == 0, out[-3000:]
-    assert steps_of(records, 2) == list(range(steps))
-    assert steps_of(records, 0)[-1] == steps - 1 and len(steps_of(records, 1)) <= 15
     last = [r for r in records if r.get("step") == steps - 1]
     assert all(sorted(r["live_processes"]) == [0, 2] for r in last), last
-    fin = finals(records)
-    assert sorted(fin) == [0, 2] and len({f["consensus_sha256"] for f in fin.values()}) == 1
+    check_finished_together(records, [0, 2], out)
 
 
 def test_a_process_that_arrives_after_the_run_is_over_exits_0_with_one_line(tmp_path):
