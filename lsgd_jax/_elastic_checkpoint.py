@@ -238,7 +238,19 @@ class Checkpoints:
         }
         if init_model_state is not None:
             target["model_state"] = replicate(init_model_state, mesh)
-        tree = _checkpoint.restore_checkpoint(self.directory, target, step, resize=True)
+        try:
+            tree = _checkpoint.restore_checkpoint(self.directory, target, step, resize=True)
+        except ValueError as e:
+            if "['model_state']" not in str(e):
+                raise
+            this = "has model state" if init_model_state is not None else "has no model state"
+            raise ValueError(
+                f"ElasticLoop.run: checkpoint {step} in {self.directory!r} and this loop "
+                f"differ in model state (this loop {this}; {e}). Build the loop as the run "
+                "that saved it was built: with init_model_state= and step_options="
+                '{"with_model_state": True} both, or neither; or pass another '
+                "checkpoint_dir to start afresh."
+            ) from e
         logger.warning(
             "lsgd_jax.elastic: resuming at step %d from checkpoint %s", step, self.directory
         )

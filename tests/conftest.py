@@ -105,7 +105,11 @@ def pytest_terminal_summary(terminalreporter):
         f"test tiers: fast {fast / 60:.1f} min, slow {slow / 60:.1f} min "
         "(the fast tier alone: python -m pytest -q -m 'not slow')"
     )
-    top = sorted(_SECONDS.items(), key=lambda kv: -kv[1])[:12]
+    top = sorted(_SECONDS.items(), key=lambda kv: -kv[1])
     terminalreporter.write_line(
-        "slowest files: " + ", ".join(f"{name[5:-3]} {t:.0f} s" for name, t in top)
+        "slowest files: " + ", ".join(f"{name[5:-3]} {t:.0f} s" for name, t in top[:12])
     )
+    # Every file's seconds, for choosing the tiers: .pytest_cache/lsgd_file_seconds.json
+    cache = terminalreporter.config.cache
+    if cache is not None:
+        cache.set("lsgd/file_seconds", {name: round(t, 1) for name, t in top})

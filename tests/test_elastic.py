@@ -138,33 +138,6 @@ def test_a_process_stuck_in_python_is_ended_by_its_watchdog(tmp_path):
     check_finished_together(records, survivors, out)
 
 
-def test_a_restarted_process_rejoins_and_ends_with_the_same_model(tmp_path):
-    # With 4-bit two-level averages, whose error-feedback residual is per replica (a
-    # joiner starts with zero, test_elastic_pieces.py); a restart with float32 averages
-    # is the trainer-0 test below.
-    comm = "int4"
-    steps = 40
-    code, _, records, out = launch(
-        tmp_path,
-        *("--kill", "2@8", "--restart", "2@10", "--step-time", "0.15", "--comm", comm),
-        steps=steps,
-    )
-    assert code == 0, out[-3000:]
-    for p in (0, 1):
-        assert steps_of(records, p) == list(range(steps))
-    mine = steps_of(records, 2)
-    first_back = next(s for a, s in zip(mine, mine[1:]) if s != a + 1)
-    before, after = mine[: mine.index(first_back)], mine[mine.index(first_back) :]
-    assert before == list(range(len(before))) and len(before) <= 9
-    # back once restarted at step 10 (at 10 itself when the survivors' steps are slow)
-    assert after == list(range(first_back, steps)) and first_back >= 10
-    back = [r for r in records if r.get("step") == first_back]
-    assert {r["process"] for r in back} == {0, 1, 2}
-    assert all(sorted(r["live_processes"]) == [0, 1, 2] for r in back)
-    assert len({r["loss"] for r in back}) == 1  # one step, one mean loss
-    check_finished_together(records, [0, 1, 2], out)
-
-
 def test_when_process_0_hosts_the_service_and_dies_every_process_ends_quickly(tmp_path):
     # Process 0 hosts the coordination service: JAX ends the others (SIGABRT) at once.
     # (Measured: always that abort; a process that got an error from the gone service
