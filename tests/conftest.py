@@ -1,8 +1,11 @@
 """Eight simulated CPU devices, set before JAX starts its backend; and the test tiers.
 
-Two tiers: the fast one (``python -m pytest -q -m "not slow"``) for everyday work, and
-the slow one: tests that start several processes, run the examples, the notebook or
-the benchmarks. README's test command (and CI) runs both.
+Two tiers: the fast one (``python -m pytest -q -n 2 -m "not slow"``, under 3 minutes on
+2 cores) for everyday work, and the slow one: tests that start several processes, run
+the examples, the notebook or the benchmarks, and the long single-process suites (the
+specification test, the defect probes, resizing, FSDP, delays, quantized means). README's
+test command (and CI) runs both. Each run keeps every file's seconds in pytest's cache
+(``.pytest_cache/v/lsgd/file_seconds``): move a file between the tiers by them.
 """
 
 import os
@@ -53,6 +56,18 @@ SLOW_FILES = {
     "test_accuracy_benchmark.py",
     "test_demo.py",
     "test_lm_example.py",
+    # single-process, but long (seconds summed over 2 workers, 2026-12-01): the fast
+    # tier keeps one cheap file per concern
+    "test_spec.py",  # 233
+    "test_checkpoint_resize.py",  # 50
+    "test_fsdp.py",  # 49
+    "test_comm_defects.py",  # 44
+    "test_quantize.py",  # 42
+    "test_delay.py",  # 38
+    "test_hook_quantized.py",  # 36
+    "test_phases.py",  # 31
+    "test_layouts.py",  # 27
+    "test_robustness.py",  # 24
 }
 
 
@@ -103,7 +118,7 @@ def pytest_terminal_summary(terminalreporter):
     fast = sum(_SECONDS.values()) - slow
     terminalreporter.write_line(
         f"test tiers: fast {fast / 60:.1f} min, slow {slow / 60:.1f} min "
-        "(the fast tier alone: python -m pytest -q -m 'not slow')"
+        "(the fast tier alone: python -m pytest -q -n 2 -m 'not slow')"
     )
     top = sorted(_SECONDS.items(), key=lambda kv: -kv[1])
     terminalreporter.write_line(
