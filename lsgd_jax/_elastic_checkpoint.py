@@ -113,11 +113,20 @@ def latest_step(directory: str | os.PathLike) -> int | None:
 def _gathered(state: Any) -> dict[str, Any]:
     """Every replica's state on this process, as numpy arrays (a collective of the live
     processes: a death fails it, with a JaxRuntimeError like any collective of a step,
-    so that the attempt is retried)."""
+    so that the attempt is retried).
+
+    A state on one process's devices alone (the sole live process) is read as it is:
+    ``process_allgather`` would stack a fully addressable array from every process of
+    the job, dead ones included, and fail every retry (seen in the soak)."""
     from jax.experimental import multihost_utils
 
+    def gather(x):
+        if getattr(x, "is_fully_addressable", True):
+            return np.asarray(x)
+        return multihost_utils.process_allgather(x, True)
+
     try:
-        tree = multihost_utils.process_allgather(as_dict(state), True)
+        tree = jax.tree.map(gather, as_dict(state))
     except ValueError as e:  # gloo's failed all-gather ("UNKNOWN: Gloo AllGather failed")
         if "Gloo" not in str(e) and not str(e).startswith(_STATUS):
             raise
