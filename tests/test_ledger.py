@@ -11,6 +11,16 @@ N = 256  # float32 params: 1,024 bytes per replica
 LOSS = 4  # the reported mean loss, an all-reduce over every device, every step
 
 
+def post_local_tx():
+    """Global gradient means in steps 0-2, then node-local ones and a global average
+    at steps 3, 7, 11, ..."""
+    return optax.chain(
+        lsgd_jax.post_local_sgd(3),
+        optax.sgd(0.1),
+        lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(4, warmup_steps=3)),
+    )
+
+
 def ledger_for(tx, num_steps, **kwargs):
     mesh = mesh_2x4()
     step = lsgd_jax.data_parallel_step(lambda p, b: jnp.mean((b @ p) ** 2), tx, mesh, **kwargs)
@@ -20,11 +30,7 @@ def ledger_for(tx, num_steps, **kwargs):
 
 
 def test_post_local_sgd_bytes_per_step_and_per_run_by_hand():
-    tx = optax.chain(
-        lsgd_jax.post_local_sgd(3),
-        optax.sgd(0.1),
-        lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(4, warmup_steps=3)),
-    )
+    tx = post_local_tx()
     step, ledger = ledger_for(tx, 12)
     # steps 0-2: global gradient mean; from 3: node-local gradient mean, and a global
     # average of the params at 3, 7, 11
@@ -60,11 +66,7 @@ def test_two_level_averages_send_a_quarter_across_nodes():
 
 
 def test_post_local_sgd_counts_its_collectives_by_hand():
-    tx = optax.chain(
-        lsgd_jax.post_local_sgd(3),
-        optax.sgd(0.1),
-        lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(4, warmup_steps=3)),
-    )
+    tx = post_local_tx()
     _, ledger = ledger_for(tx, 8)
     # across nodes: the loss every step, fused with the global gradient mean (steps 0-2)
     # or the average (3, 7) into one all-reduce; inside: the node-local gradient mean
@@ -78,11 +80,7 @@ def test_post_local_sgd_counts_its_collectives_by_hand():
 def test_a_step_with_one_program_is_charged_its_own_branch(specialize):
     # Before, every branch of the one program was charged on every step: 4,100 bytes
     # across nodes per step with "switch" (all four phases), 2,052 with False.
-    tx = optax.chain(
-        lsgd_jax.post_local_sgd(3),
-        optax.sgd(0.1),
-        lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(4, warmup_steps=3)),
-    )
+    tx = post_local_tx()
     _, want = ledger_for(tx, 12)
     _, got = ledger_for(tx, 12, specialize=specialize)
     assert got.exact and got.steps == want.steps
