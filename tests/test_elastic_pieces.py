@@ -509,3 +509,21 @@ def test_a_process_the_others_declared_dead_is_told_to_restart():
         _attempts.check_members(((1, 4), (2, 4)), 1, external=False)
     assert _attempts.check_members(((1, 4), (2, 4)), 1, external=True) == ((1, 4), (2, 4))
     assert lsgd_jax.elastic.LeftBehindError in _attempts._NOT_THE_USERS
+
+
+def test_the_elastic_example_reads_the_digits_scikit_learn_ships():
+    # Read from the package's file without importing scikit-learn (1.8 s of every
+    # trainer's start): the same arrays as load_digits.
+    import importlib.util
+    import pathlib
+
+    from sklearn.datasets import load_digits
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "elastic.py"
+    spec = importlib.util.spec_from_file_location("elastic_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    x, y = example._digits()
+    want_x, want_y = load_digits(return_X_y=True)
+    np.testing.assert_array_equal(x, want_x)
+    np.testing.assert_array_equal(y, want_y)
