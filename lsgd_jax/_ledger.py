@@ -14,11 +14,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import numpy as np
 
 from lsgd_jax import _phase, _validate
-from lsgd_jax._phase_plan import SKIPPING_WRAPPERS
+from lsgd_jax._phase_plan import skips_on_device
 from lsgd_jax._report import CommunicationReport, parse_hlo
 
 _WHERE = ("across", "inside", "all")
@@ -211,18 +210,14 @@ def communication_ledger(
     num_steps = _validate.positive_int(num_steps, "communication_ledger: num_steps")
     mesh = step._spec.mesh
     plan = step.plan_of(*args, num_steps=num_steps)
-    opt_state = step.jit_args(*args)[2]
+    jit_args = step.jit_args(*args)
+    opt_state = jit_args[2]
     one_program = isinstance(plan[0], str) and _phase.num_phases(opt_state) > 1
-    skips = any(isinstance(x, SKIPPING_WRAPPERS) for x in _nodes(opt_state))
+    skips = skips_on_device(opt_state)
     if one_program and not skips:  # charge each call its own branch: its phase's program
         plan = _phase.replay_phases(_phase.counters_snapshot(opt_state), num_steps).tolist()
-        jit_args = step.jit_args(*args)
         programs = [(k, step._program(k).lower(*jit_args).compile()) for k in dict.fromkeys(plan)]
     else:
         programs = step.programs_of(*args, num_steps=num_steps)
     phases = {k: PhaseBytes.of(parse_hlo(c.as_text(), mesh=mesh), inner) for k, c in programs}
     return Ledger(phases, tuple(plan), inner, exact=not (one_program and skips))
-
-
-def _nodes(opt_state: Any) -> list[Any]:
-    return jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, SKIPPING_WRAPPERS))

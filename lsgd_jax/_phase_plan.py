@@ -30,6 +30,13 @@ SKIPPING_WRAPPERS = (
 )
 
 
+def skips_on_device(opt_state: Any) -> bool:
+    """Whether ``opt_state`` holds a wrapper that may skip an update on the device (then
+    the phase of a call cannot be replayed on the host)."""
+    nodes = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, SKIPPING_WRAPPERS))
+    return any(isinstance(x, SKIPPING_WRAPPERS) for x in nodes)
+
+
 class PhasePlan:
     """Follows the step counters on the host, one phase per call.
 
@@ -68,12 +75,8 @@ class PhasePlan:
             fixed: int | str | None = None
             if self._specialize is not True or _phase.num_phases(opt_state) == 1:
                 fixed = "cond" if self._specialize is False else "switch"
-            else:
-                nodes = jax.tree.leaves(
-                    opt_state, is_leaf=lambda x: isinstance(x, SKIPPING_WRAPPERS)
-                )
-                if any(isinstance(x, SKIPPING_WRAPPERS) for x in nodes):
-                    fixed = "switch"
+            elif skips_on_device(opt_state):
+                fixed = "switch"
             self._fixed[treedef] = fixed
         return self._fixed[treedef]
 
