@@ -284,6 +284,7 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline-json", default=None, help="an undisturbed run's record")
     ap.add_argument("--save-baseline", default=None, help="write the undisturbed run's record")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--log", default=None, help="write the disturbed run's whole output here")
     args = ap.parse_args(argv)
     if args.stop_s is None:
         args.stop_s = args.heartbeat + 5.0
@@ -308,6 +309,8 @@ def main(argv=None) -> int:
                 pathlib.Path(args.save_baseline).write_text(json.dumps(base, indent=1))
         out = run(args, events, tmp, "chaos")
     res = _evaluate(args, events, out)
+    if args.log:
+        pathlib.Path(args.log).write_text("".join(f"{t:8.2f} {line}\n" for t, line in out["lines"]))
     # Goodput only for a run that finished: a failed run's wall time is not a rate.
     ok = res["exit"] == 0 and base["wall_s"]
     res["goodput"] = base["wall_s"] / res["wall_s"] if ok else None

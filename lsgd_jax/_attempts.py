@@ -228,6 +228,10 @@ class Attempts:
       stall_timeout_s: the watchdog's limit on one attempt's own work, compiles not
         counted (None: never).
       max_failures: consecutive failed attempts after which :meth:`retrying` gives up.
+      restart: when no live process holds the model: ``restart.step()``, the step to
+        restart from (None: none), asked on the membership's leader; then every
+        member's ``restart.state(mesh, step)``. None: no restart (the run ends with
+        ``CoordinatorLostError``).
 
     Attributes:
       view: the membership of the last committed attempt (None before the first).
@@ -247,8 +251,9 @@ class Attempts:
         fresh: Callable[[Any], tuple[Any, ...]],
         stall_timeout_s: float | None,
         max_failures: int,
+        restart: Any = None,
     ) -> None:
-        self._fresh, self._max_failures = fresh, max_failures
+        self._fresh, self._max_failures, self.restart = fresh, max_failures, restart
         self._membership = _membership.Membership(timeout_s=120.0)
         _membership.forget_own_gloo_keys({d.id for d in jax.local_devices()})
         _membership.forget_user_error(jax.process_index())
@@ -293,7 +298,10 @@ class Attempts:
         the membership's leader (bounded by the agreement's own timeout) is not a stall
         of this process."""
         me = jax.process_index()
-        view = self._membership.agree(members, step, me, self.view, failed=self._failed)
+        restart_step = self.restart.step if self.restart is not None else None
+        view = self._membership.agree(
+            members, step, me, self.view, failed=self._failed, restart_step=restart_step
+        )
         self._attempted = view.epoch
         self._watchdog.arm(f"{label} (step {step})")
         changed = self.view is None or view.epoch != self.view.epoch
@@ -302,7 +310,16 @@ class Attempts:
         layout = self.layout
         if changed or layout is None:
             layout = _membership.layout_for(view)
-        if changed or self.given is not None:
+        if changed and view.restart:
+            logger.warning(
+                "lsgd_jax.elastic: no live process held the model (live: %s); all restart "
+                "from step %d (%s) and run the steps since again.",
+                list(view.processes),
+                view.step,
+                "the newest checkpoint" if view.step else "the fresh state",
+            )
+            state, step = self.restart.state(layout.mesh, view.step), view.step
+        elif changed or self.given is not None:
             state, step = self._adopt(state, step, view, layout, changed)
         if _membership.newcomer() and self.last_step is not None and step >= self.last_step:
             # A (re)started process met the survivors after their last step (they are

@@ -306,14 +306,13 @@ def restore_checkpoint(
       >>> int(resized["opt_state"][0].iter[0])  # counters are copied
       0
     """
-    ocp = _ocp()
     paths, leaves, treedef = _flatten(target)
     abstract = [_abstract(p, x) for p, x in zip(paths, leaves)]
     steps = _saved_steps(directory, step)
     skipped: list[tuple[int, _files.Damaged]] = []
     # A Checkpointer reads one step folder; a CheckpointManager would first read the
     # metadata of every step, and log an error for each damaged one.
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as reader:
+    with _reader() as reader:
         for candidate in [step] if step is not None else steps[::-1]:
             try:
                 restored, lines = _restore_step(
@@ -351,6 +350,20 @@ def restore_checkpoint(
     if check_in_sync:
         assert_replicas_in_sync(tree)
     return tree
+
+
+def _reader() -> Any:
+    """A reader of one step folder that waits for no other process: each process reads
+    its own shards (orbax's default ends each read with a barrier of every device of
+    the job, which an elastic run's dead processes never reach). The processes agree
+    on the step beforehand, or ``check_in_sync`` finds out."""
+    ocp = _ocp()
+    me = jax.process_index()
+    alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+    handler = ocp.CompositeCheckpointHandler(
+        composite_options=ocp.CompositeOptions(multiprocessing_options=alone)
+    )
+    return ocp.Checkpointer(handler, multiprocessing_options=alone)
 
 
 def _saved_steps(directory: Any, step: int | None) -> list[int]:

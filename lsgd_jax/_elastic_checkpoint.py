@@ -227,8 +227,6 @@ class Checkpoints:
         past ``num_steps`` (nothing left to run)."""
         from jax.experimental import multihost_utils
 
-        from lsgd_jax._mesh import replicate
-
         found = latest_step(self.directory) if jax.process_index() == 0 else None
         step = int(multihost_utils.broadcast_one_to_all(np.int32(-1 if found is None else found)))
         if step < 0:
@@ -241,6 +239,19 @@ class Checkpoints:
             )
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         mesh = Mesh(np.array(devices).reshape(jax.process_count(), -1), ("node", "local"))
+        state = self.restore(init_params, tx, init_model_state, step, mesh)
+        logger.warning(
+            "lsgd_jax.elastic: resuming at step %d from checkpoint %s", step, self.directory
+        )
+        return step, state
+
+    def restore(
+        self, init_params: Any, tx: Any, init_model_state: Any, step: int, mesh: Mesh
+    ) -> tuple[Any, ...]:
+        """``(params, [model_state,] opt_state)`` of checkpoint ``step`` over ``mesh``
+        (its replicas resized to the mesh's), read by every process of the mesh."""
+        from lsgd_jax._mesh import replicate
+
         target = {
             "params": replicate(init_params, mesh),
             "opt_state": replicate(tx.init(init_params), mesh),
@@ -248,7 +259,10 @@ class Checkpoints:
         if init_model_state is not None:
             target["model_state"] = replicate(init_model_state, mesh)
         try:
-            tree = _checkpoint.restore_checkpoint(self.directory, target, step, resize=True)
+            # Only the mesh's processes take part (the step is agreed already).
+            tree = _checkpoint.restore_checkpoint(
+                self.directory, target, step, resize=True, check_in_sync=False
+            )
         except ValueError as e:
             if "['model_state']" not in str(e):
                 raise
@@ -260,10 +274,7 @@ class Checkpoints:
                 '{"with_model_state": True} both, or neither; or pass another '
                 "checkpoint_dir to start afresh."
             ) from e
-        logger.warning(
-            "lsgd_jax.elastic: resuming at step %d from checkpoint %s", step, self.directory
-        )
-        return step, as_state(tree)
+        return as_state(tree)
 
 
 def _start_writer(directory: str, step: int, leaves: list[Any], manifest: dict) -> Any:

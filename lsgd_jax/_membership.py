@@ -30,6 +30,7 @@ import dataclasses
 import json
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 from jax.sharding import Mesh
@@ -185,12 +186,17 @@ class View:
       epoch: this membership's number (0: the first).
       step: the step the survivors were about to run when it began.
       joining: processes that must receive the state (new or back).
+      restart: no live process held the model: every member restores the state at
+        ``step`` (the newest finalized checkpoint, or the fresh state at step 0) and
+        the steps since are run again (``step`` -1: there was nothing to restart
+        from, and the run ends).
     """
 
     members: tuple[tuple[int, int], ...]
     epoch: int
     step: int
     joining: tuple[int, ...]
+    restart: bool = False
 
     @property
     def processes(self) -> tuple[int, ...]:
@@ -207,6 +213,7 @@ class View:
             int(d["epoch"]),
             int(d["step"]),
             tuple(int(p) for p in d["joining"]),
+            bool(d.get("restart", False)),
         )
 
 
@@ -318,6 +325,18 @@ def _committed(c: Any) -> int | None:
         return None
 
 
+def lost(members: tuple[tuple[int, int], ...], latest: View | None) -> CoordinatorLostError:
+    """The error of a run no live process holds the model of, with nothing to restart
+    from."""
+    return CoordinatorLostError(
+        f"lsgd_jax.elastic: every process that held the model is gone (live now: "
+        f"{[p for p, _ in members]}, none of them in the last membership "
+        f"{latest.processes if latest else ()}) and there is no checkpoint to restart "
+        "from; the run cannot go on. Pass checkpoint_dir= and checkpoint_every= to the "
+        "loop, and restart the job."
+    )
+
+
 class Membership:
     """Agrees on the view of each attempt (call :meth:`agree` inside ``live_devices``)."""
 
@@ -331,6 +350,7 @@ class Membership:
         me: int,
         committed: View | None,
         failed: int | None = None,
+        restart_step: Callable[[], int | None] | None = None,
     ) -> View:
         """The view for these live members: the leader (:func:`leader`) records it when
         the membership changed, or when the last attempt failed with it unchanged;
@@ -348,44 +368,63 @@ class Membership:
             succeeded, or failed before it agreed on a view). A view of that epoch with
             the same members is not used again: its communicators may be broken (a
             timed-out collective), so its retry gets the next epoch, a new device order.
+          restart_step: called on the lowest live process when no live process holds
+            the model and the run is not over: the step to restart every member from
+            (the newest finalized checkpoint; 0 for the fresh state), or None when
+            there is none. None (the argument): no restart.
 
         Returns:
           The agreed :class:`View`.
 
         Raises:
           RunOver: no live process holds the model and the run is over.
-          CoordinatorLostError: no live process holds the model and the run is not over.
+          CoordinatorLostError: no live process holds the model, the run is not over
+            and there is nothing to restart from.
         """
         c = client()
         key = _key(members)
         latest = _latest(c)
         retry = latest is not None and latest.members == members and latest.epoch == failed
         if latest is not None and latest.members == members and not retry:
+            if latest.restart and latest.step < 0:  # nothing to restart from (below)
+                raise lost(members, latest)
             return latest  # unchanged (the usual step): one read of the store
         lead = leader(members, latest, _committed(c))
-        if lead is None:
+        restart = lead is None
+        if restart:
             end = finished_step()
             if end is not None:
                 raise run_over(me, end)
-            raise CoordinatorLostError(
-                f"lsgd_jax.elastic: every process that held the model is gone (live now: "
-                f"{[p for p, _ in members]}, none of them in the last membership "
-                f"{latest.processes if latest else ()}); the run cannot go on. Restart the "
-                "job (from a checkpoint)."
-            )
-        if me == lead:
-            if latest is not None and not retry:
-                # The old record goes first: if that membership comes back later, its
-                # readers wait for the new record instead of reading a stale epoch.
-                c.key_value_delete(_key(latest.members))
+            lead = min(p for p, _ in members)
+        if restart and restart_step is None:
+            raise lost(members, latest)
+        if me == lead and restart:
+            start = restart_step()  # type: ignore[misc]
+            everyone = tuple(p for p, _ in members)  # none holds it until one commits
+            view = View(members, 0, -1 if start is None else start, everyone, True)
+            view = self._record(c, key, latest, retry, view)
+        elif me == lead:
             before = set(committed.members) if committed is not None else set(members)
             joining = tuple(p for p, i in members if (p, i) not in before)
-            epoch = 0 if latest is None else latest.epoch + 1
-            view = View(members, epoch, step, joining)
-            c.key_value_set(LATEST, view.to_json(), allow_overwrite=True)
-            c.key_value_set(key, view.to_json(), allow_overwrite=True)
-            return view
-        return self._read(c, key, failed if retry else None)
+            return self._record(c, key, latest, retry, View(members, 0, step, joining))
+        else:
+            view = self._read(c, key, failed if retry else None)
+        if view.restart and view.step < 0:  # the leader found nothing to restart from
+            raise lost(members, latest)
+        return view
+
+    @staticmethod
+    def _record(c: Any, key: str, latest: View | None, retry: bool, view: View) -> View:
+        """The leader records ``view`` (its epoch: the next one) as the latest and
+        under its members' key."""
+        if latest is not None and not retry:
+            # The old record goes first: if that membership comes back later, its
+            # readers wait for the new record instead of reading a stale epoch.
+            c.key_value_delete(_key(latest.members))
+        view = dataclasses.replace(view, epoch=0 if latest is None else latest.epoch + 1)
+        c.key_value_set(LATEST, view.to_json(), allow_overwrite=True)
+        c.key_value_set(key, view.to_json(), allow_overwrite=True)
+        return view
 
     def _read(self, c: Any, key: str, after: int | None) -> View:
         """The view recorded under ``key``; with ``after``, one of a later epoch (the

@@ -592,10 +592,41 @@ class _TrainWork:
         return _split_outputs(self.step_fn(layout)(*state, batch), len(state))
 
 
+class _Restart:
+    """What the live processes restart from when none of them holds the model (every
+    holder died, e.g. the sole survivor while a newcomer was still joining): the
+    newest finalized checkpoint, or the fresh state if there is none yet and the run
+    began fresh at step 0.
+
+    Attributes:
+      fresh_origin: whether this process's run began from the fresh state at step 0.
+    """
+
+    def __init__(self, checkpoints: _elastic_checkpoint.Checkpoints, template: tuple) -> None:
+        self._checkpoints, self._template = checkpoints, template
+        self.fresh_origin = False
+
+    def step(self) -> int | None:
+        """The step to restart from (on the membership's leader); None: nothing."""
+        found = _elastic_checkpoint.latest_step(self._checkpoints.directory)
+        if found is not None:
+            return found
+        return 0 if self.fresh_origin else None
+
+    def state(self, mesh: Mesh, step: int) -> tuple[Any, ...]:
+        """The state at ``step`` over ``mesh`` (every member of the view reads it)."""
+        if step == 0:  # step 0 is never saved: it is the fresh state
+            return _fresh_state(mesh, *self._template)
+        init_params, tx, init_model_state = self._template
+        return self._checkpoints.restore(init_params, tx, init_model_state, step, mesh)
+
+
 def _begin(attempts, checkpoints, template, num_steps: int, first_step: int, initial_state):
     """``(first step, state)`` of a run: the given state, the checkpoint a new job resumes
     from, or fresh (None); a process that (re)started after the run was over exits."""
     ran = attempts.view is not None
+    if attempts.restart is not None:
+        attempts.restart.fresh_origin = initial_state is None and first_step == 0
     if checkpoints is not None and _fresh_job(initial_state, first_step, ran):
         resumed = checkpoints.resume(*template, num_steps)
         if resumed is not None:
@@ -654,7 +685,10 @@ class ElasticLoop:
         (after the step's checkpoint save has started, if it saves one).
       checkpoint_dir: a folder to save checkpoints into and resume from (None: none).
         :meth:`run` at the start of a job resumes from its newest finalized step (on
-        any number of processes: the replicas are resized).
+        any number of processes: the replicas are resized). And when no live process
+        holds the model any more (the last holder died while a restarted process was
+        joining), the live ones restart from it (from the fresh state before the
+        first save), instead of ending with ``CoordinatorLostError``.
       checkpoint_every: save the state at the start of every step that is a multiple
         of it (step 0 excepted), in the format of :func:`~lsgd_jax.save_checkpoint`;
         needs ``checkpoint_dir``. The live processes save it (the lowest writes,
@@ -696,7 +730,8 @@ class ElasticLoop:
             loss_fn, tx, dict(step_options or {}), batch_fn, self._checkpoints, on_attempt
         )
         self._on_step = on_step
-        self._attempts = _attempts.Attempts(self._fresh, stall_timeout_s, max_failures)
+        restart = _Restart(self._checkpoints, self._template) if self._checkpoints else None
+        self._attempts = _attempts.Attempts(self._fresh, stall_timeout_s, max_failures, restart)
         self._step = 0
 
     @property

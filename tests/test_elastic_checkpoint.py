@@ -15,7 +15,12 @@ A. 3 processes, steps 0-7, a checkpoint every 2 steps; process 2 exits inside st
 B. 2 processes resume from A's newest checkpoint (3 -> 2) and run to step 12; the
    coordinator process is killed at step 9: the launcher restarts it and the job,
    which resumes from B's newest checkpoint (--max-restarts 1).
-C. 3 processes resume from B's newest checkpoint (2 -> 3) and run to step 14.
+C. 3 processes resume from B's newest checkpoint (2 -> 3) and run to step 18. At step
+   13 processes 1 and 2 are killed; process 0 goes on alone, saves checkpoint 14, and
+   restarted process 1 is still starting when process 0 is killed at step 15: no live
+   process holds the model, so process 1 restarts from the newest checkpoint (14, or 12
+   if 14's writer had not finished) and finishes alone (seen in the soak, where this
+   ended the run).
 """
 
 from __future__ import annotations
@@ -84,21 +89,27 @@ def job_b(folder, job_a):
 @pytest.fixture(scope="module")
 def job_c(folder, job_b):
     assert job_b[0] == 0, "job B failed"
-    return launch(folder, folder / "ckpt", 3, 14)
+    args = ["--kill", "1@13", "--kill", "2@13", "--restart", "1@14", "--kill", "0@15"]
+    return launch(folder, folder / "ckpt", 3, 18, *args)
+
+
+def example():
+    """The example's module (its model and data)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import elastic
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    return elastic
 
 
 def restore(ckpt, step, replicas):
     """Checkpoint ``step`` restored here onto ``replicas`` devices: (params, counters)."""
     import argparse
 
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        from elastic import _model
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
     import lsgd_jax
 
-    init, _, _, tx = _model(
+    init, _, _, tx = example()._model(
         argparse.Namespace(start=10, period=4, lr=0.1, comm="flat", model_state=False, delay=0)
     )
     mesh = lsgd_jax.make_mesh(1, replicas)
@@ -160,17 +171,53 @@ def test_a_job_resumes_on_fewer_processes_and_after_the_coordinator_died(job_b):
 def test_a_job_resumes_on_more_processes(folder, job_c):
     code, seconds, records, out = job_c
     assert code == 0, out[-3000:]
-    steps, others = saved(folder / "ckpt")
-    assert steps == [2, 4, 6, 8, 10, 12], steps
-    assert all(n.startswith(".lsgd-staging-") for n in others), others
     assert "resuming at step 10 from checkpoint" in out, out[-3000:]
     for p in (0, 1, 2):
-        assert steps_of(records, p) == [10, 11, 12, 13], steps_of(records, p)
-    assert all(sorted(r["live_processes"]) == [0, 1, 2] for r in records if "step" in r)
-    one_model(records, [0, 1, 2], out)
-    # The checkpoint saved by this job holds three replicas.
+        assert steps_of(records, p)[:3] == [10, 11, 12], steps_of(records, p)
+    assert all(sorted(r["live_processes"]) == [0, 1, 2] for r in records if r.get("step", 99) < 13)
+    # The first checkpoint this job saved holds three replicas.
     params, counters = restore(folder / "ckpt", 12, 3)
     assert all((c == 12).all() for k, c in counters.items() if k.endswith(".step"))
+
+
+def test_when_every_holder_of_the_model_is_gone_a_newcomer_restarts_from_the_checkpoint(
+    folder, job_c
+):
+    import jax.numpy as jnp
+
+    code, seconds, records, out = job_c
+    assert code == 0, out[-3000:]
+    assert "killed process 0 at step 15" in out, out[-3000:]
+    # Two incarnations: steps 10-12 (or 13) with the others, then alone from the restart.
+    mine = [r for r in records if r["process"] == 1 and "step" in r]
+    first = [r["step"] for r in mine if r["live_processes"] == [0, 1, 2]]
+    second = [r["step"] for r in mine if r["live_processes"] == [1]]
+    assert len(first) + len(second) == len(mine), mine
+    restart = second[0]
+    assert first[:3] == [10, 11, 12] and restart in (12, 14), mine
+    assert f"all restart from step {restart} (the newest checkpoint)" in out, out[-3000:]
+    assert second == list(range(restart, 18)), mine
+    one_model(records, [1], out)  # 0 and 2 were not restarted
+    steps, others = saved(folder / "ckpt")
+    assert steps == [2, 4, 6, 8, 10, 12, 14, 16], steps
+    assert all(n.startswith(".lsgd-staging-") for n in others), others
+    # Process 1's first step after the restart ran on the checkpoint's params: its loss
+    # is the loss of the restored params on process 1's batch of that step.
+    e = example()
+    params, counters = restore(folder / "ckpt", restart, 1)
+    (xs, ys), _ = e._data(3, 1)
+    idx = np.random.default_rng([restart, 1]).choice(len(xs), 16, replace=False)
+    one = {k: v[0] for k, v in params.items()}
+    logits = e.logits(one, jnp.asarray(xs[idx]))
+    expected = -np.mean(np.take_along_axis(jax_log_softmax(logits), ys[idx][:, None], 1))
+    rerun = next(r for r in records[::-1] if r["process"] == 1 and r.get("step") == restart)
+    np.testing.assert_allclose(rerun["loss"], expected, rtol=1e-5)
+
+
+def jax_log_softmax(x):
+    import jax
+
+    return np.asarray(jax.nn.log_softmax(x, axis=-1))
 
 
 def test_the_writer_process_saves_a_step_once_and_the_first_rename_wins(tmp_path):

@@ -290,6 +290,43 @@ def test_a_failed_attempt_with_the_same_members_gets_a_new_epoch(monkeypatch):
     assert (alone.epoch, alone.joining, alone.processes) == (3, (), (2,))
 
 
+def test_when_no_live_process_holds_the_model_every_one_restarts_from_a_checkpoint(monkeypatch):
+    store = FakeStore()
+    monkeypatch.setattr(_membership, "client", lambda: store)
+    m = _membership.Membership(timeout_s=1.0)
+    # Process 0 held the model alone; process 1 (restarted) was joining at epoch 4 when 0
+    # died: the live process 1 holds nothing (seen in the soak).
+    joined = m.agree(((0, 5),), 30, 0, None)
+    store.kv[_membership.LATEST] = _membership.View(((0, 5), (1, 9)), 4, 31, (1,)).to_json()
+    asked = []
+
+    def newest():
+        asked.append(True)
+        return 25
+
+    # Without a way to restart: the run cannot go on, on every process.
+    with pytest.raises(lsgd_jax.elastic.CoordinatorLostError, match="no checkpoint to restart"):
+        m.agree(((1, 9),), 0, 1, None)
+    view = m.agree(((1, 9),), 0, 1, None, restart_step=newest)
+    assert asked and (view.restart, view.step, view.epoch, view.joining) == (True, 25, 5, (1,))
+    assert _membership.View.from_json(view.to_json()) == view
+    # Its attempt failed (another death): nobody holds the model yet, so the retry
+    # restarts again, in a new epoch.
+    again = m.agree(((1, 9),), 25, 1, None, failed=5, restart_step=newest)
+    assert (again.restart, again.step, again.epoch) == (True, 25, 6)
+    # Once an attempt of it committed, its members hold the model: process 0, back, joins.
+    _membership.mark_committed(6)
+    back = m.agree(((0, 12), (1, 9)), 27, 1, again, restart_step=newest)
+    assert (back.restart, back.step, back.joining, back.epoch) == (False, 27, (0,), 7)
+    # Nothing to restart from: the leader records so, and every process raises.
+    store.kv[_membership.LATEST] = joined.to_json()
+    members = ((1, 9), (2, 3))
+    with pytest.raises(lsgd_jax.elastic.CoordinatorLostError, match=r"live now: \[1, 2\]"):
+        m.agree(members, 0, 1, None, restart_step=lambda: None)
+    with pytest.raises(lsgd_jax.elastic.CoordinatorLostError, match="no checkpoint to restart"):
+        m.agree(members, 0, 2, None, restart_step=lambda: 7)  # not asked: not the leader
+
+
 def test_initialize_refuses_an_external_coordinator_that_is_not_a_bool():
     with pytest.raises(TypeError, match="external_coordinator must be True or False.*'yes'"):
         lsgd_jax.elastic.initialize("127.0.0.1:1", 2, 0, external_coordinator="yes")
