@@ -45,6 +45,8 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "elastic.py"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import slow_link  # noqa: E402  (the emulated link's namespaces, for --slow-link)
 
 
 def schedule(
@@ -122,6 +124,11 @@ def run(args, events: list[dict], tmp: pathlib.Path, name: str) -> dict:
     cmd += ["--max-restarts", "1", "--timeout", str(args.timeout), *_flags(events)]
     cmd += ["--heartbeat", str(args.heartbeat)]
     cmd += ["--collective-timeout", str(args.collective_timeout)]
+    link = None
+    if args.slow_link:  # one trainer per namespace; the coordinator in the first
+        cmd += ["--netns", ",".join(slow_link.namespaces())]
+        cmd += ["--coordinator-host", slow_link.addresses()[0]]
+        link = slow_link.link_bytes()
     lines: list[tuple[float, str]] = []
     t0 = time.monotonic()
     proc = subprocess.Popen(
@@ -175,7 +182,14 @@ def run(args, events: list[dict], tmp: pathlib.Path, name: str) -> dict:
         with open(records_path) as f:
             f.seek(offset)
             records += [(wall, json.loads(x)) for x in f if x.endswith("\n")]
-    return {"exit": proc.returncode, "wall_s": wall, "lines": lines, "records": records}
+    sent = slow_link.link_bytes() - link if link is not None else None
+    return {
+        "exit": proc.returncode,
+        "wall_s": wall,
+        "lines": lines,
+        "records": records,
+        "link_bytes": sent,
+    }
 
 
 def _evaluate(args, events: list[dict], out: dict) -> dict:
@@ -250,6 +264,7 @@ def _evaluate(args, events: list[dict], out: dict) -> dict:
         "gloo_aborts": sum("aborted (SIGABRT)" in line for _, line in lines),
         "hashes": hashes,
         "one_model": len(set(hashes.values())) == 1,
+        "link_bytes": out.get("link_bytes"),
         "accuracy": statistics.mean(f["test_accuracy"] for f in finals.values())
         if finals
         else None,
@@ -285,7 +300,36 @@ def main(argv=None) -> int:
     ap.add_argument("--save-baseline", default=None, help="write the undisturbed run's record")
     ap.add_argument("--json", default=None)
     ap.add_argument("--log", default=None, help="write the disturbed run's whole output here")
+    ap.add_argument(
+        "--slow-link",
+        default=None,
+        metavar="RATE",
+        help="run the two trainers (--processes 2) in benchmarks/slow_link.py's two network "
+        "namespaces, joined by a veth pair capped at RATE (e.g. 100mbit; root only)",
+    )
     args = ap.parse_args(argv)
+    if args.slow_link:
+        return _on_slow_link(args, argv)
+    return _soak(args, argv)
+
+
+def _on_slow_link(args, argv) -> int:
+    """The soak with the two trainers on the emulated link (set up, and always torn
+    down, here)."""
+    missing = slow_link.requirements()
+    if missing or args.processes != 2:
+        why = "; ".join(missing) or f"--processes 2 (one per namespace), got {args.processes}"
+        raise SystemExit(f"chaos.py --slow-link needs {why}")
+    slow_link.teardown()  # a killed run's leftovers
+    try:
+        slow_link.setup()
+        slow_link.set_rate(args.slow_link)
+        return _soak(args, argv)
+    finally:
+        slow_link.teardown()
+
+
+def _soak(args, argv) -> int:
     if args.stop_s is None:
         args.stop_s = args.heartbeat + 5.0
     if args.quick:
@@ -314,7 +358,7 @@ def main(argv=None) -> int:
     # Goodput only for a run that finished: a failed run's wall time is not a rate.
     ok = res["exit"] == 0 and base["wall_s"]
     res["goodput"] = base["wall_s"] / res["wall_s"] if ok else None
-    res["baseline"] = {k: base[k] for k in ("wall_s", "accuracy", "hashes", "exit")}
+    res["baseline"] = {k: base.get(k) for k in ("wall_s", "accuracy", "hashes", "exit")}
     res["accuracy_delta_points"] = (
         100 * (res["accuracy"] - base["accuracy"])
         if res["accuracy"] is not None and base["accuracy"] is not None
@@ -362,6 +406,8 @@ def _table(args, res: dict) -> None:
     )
     for p, h in sorted(res["hashes"].items()):
         print(f"process {p}: consensus sha256 {h}")
+    if res.get("link_bytes") is not None:
+        print(f"bytes over the emulated link ({args.slow_link}): {res['link_bytes']:,}")
 
 
 if __name__ == "__main__":

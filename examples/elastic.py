@@ -82,6 +82,21 @@ def _job_args(ap: argparse.ArgumentParser) -> None:
         help="start process P again after the run is over: it must exit 0 with one line saying so",
     )
     ap.add_argument(
+        "--netns",
+        default=None,
+        metavar="NS0,NS1,...",
+        help="run trainer i in network namespace NSi (`ip netns exec`; root) and the "
+        "coordinator process in NS0, listening on all its interfaces; with "
+        "--coordinator-host, its address as the other namespaces reach it "
+        "(benchmarks/chaos.py --slow-link: the emulated link of benchmarks/slow_link.py)",
+    )
+    ap.add_argument(
+        "--coordinator-host",
+        default="127.0.0.1",
+        metavar="ADDR",
+        help="the address the trainers reach the coordinator at",
+    )
+    ap.add_argument(
         "--coordinator-process",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -206,6 +221,10 @@ def _checked(ap: argparse.ArgumentParser, args):
         ap.error("--model-state runs in the elastic loop only (not with --plain)")
     if args.delay < 0:
         ap.error(f"--delay must be 0 or more, got {args.delay}")
+    if args.netns and len(args.netns.split(",")) != args.processes:
+        ap.error(f"--netns names one namespace per process ({args.processes}), got {args.netns!r}")
+    if args.netns and not args.coordinator_process:
+        ap.error("--netns needs the coordinator process (it runs in the first namespace)")
     return args
 
 
@@ -367,7 +386,7 @@ def worker(args) -> None:
     from lsgd_jax import elastic
 
     elastic.initialize(
-        f"127.0.0.1:{args.port}",
+        f"{args.coordinator_host}:{args.port}",
         args.processes,
         args.process_id,
         platform=args.platform,
@@ -523,7 +542,9 @@ class _Launcher:
     def start_coordinator(self) -> None:
         """The coordination service in a process of its own (before the trainers)."""
         cmd = [sys.executable, "-m", "lsgd_jax.elastic_coordinator", "--port", str(self.port)]
-        cmd += ["--processes", str(self.args.processes), "--host", "127.0.0.1"]
+        host = "0.0.0.0" if self.args.netns else "127.0.0.1"  # 0.0.0.0: lo and the veth
+        cmd = self._in_namespace(0, cmd) + ["--processes", str(self.args.processes)]
+        cmd += ["--host", host]
         cmd += ["--heartbeat-timeout", str(self.args.heartbeat)]
         self.coordinator = subprocess.Popen(cmd, env=self._env())
 
@@ -539,8 +560,17 @@ class _Launcher:
         if c is not None:
             c.wait()
 
+    def _in_namespace(self, i: int, cmd: list[str]) -> list[str]:
+        """``cmd`` run in trainer ``i``'s network namespace (``--netns``), if any
+        (``ip netns exec`` execs it: the process, its PID and its signals are the
+        command's own)."""
+        if not self.args.netns:
+            return cmd
+        return ["ip", "netns", "exec", self.args.netns.split(",")[i], *cmd]
+
     def start(self, i: int) -> None:
         cmd = [sys.executable, os.path.abspath(__file__), *self.argv]
+        cmd = self._in_namespace(i, cmd)
         cmd += ["--port", str(self.port), "--process-id", str(i), "--events", str(self.events)]
         env = self._env()
         if i in self.procs:

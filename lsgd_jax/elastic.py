@@ -773,6 +773,8 @@ class ElasticLoop:
             (re)started after the run reached ``num_steps`` (nothing left to join).
           ValueError: a bad argument; or the checkpoint to resume from is at or past
             ``num_steps``.
+          CoordinatorLostError: no live process holds the model any more and there is
+            nothing to restart from (no ``checkpoint_dir``).
 
         Example:
           >>> first = loop.run(100)  # doctest: +SKIP

@@ -18,14 +18,18 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs Linux pro
 def test_quick_soak(tmp_path):
     out = tmp_path / "chaos.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--quick", "--no-baseline"]
-    # kill 2@22, stop 1@44, kill 2@76. Seed 0 (a kill whose survivor gloo aborts, then
-    # 20 failed attempts to take the restarted process back) does not pass yet: issue 19.
+    # kill 2@22, stop 1@44, kill 2@76. In one CI run the kill made gloo abort process 0
+    # (docs/failures.md), process 1 went on alone and was then stopped while restarted 2
+    # was joining: nobody held the model, and the run ended. Now 2 restarts from the
+    # newest checkpoint (test_elastic_checkpoint.py's job C does this on purpose).
     cmd += ["--seed", "1"]
     cmd += ["--json", str(out), "--timeout", "400"]
     code, seconds, text = run_launcher(cmd, 460)
     assert code == 0, text[-4000:]
     res = json.loads(out.read_text())
-    assert len(res["hashes"]) >= 2, res
+    # (a gloo abort costs one finisher; the survivor runs the remaining steps in a few
+    # seconds with no simulated compute, so a restart may find the run over)
+    assert len(res["hashes"]) >= (1 if res["gloo_aborts"] else 2), res
     assert res["one_model"], res["hashes"]
     assert res["steps_lost"] == 0, res
     assert len(res["events"]) == 3

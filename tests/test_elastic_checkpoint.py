@@ -278,6 +278,11 @@ def jax_leaves(tree):
             ["--max-restarts", "1", "--no-coordinator-process"],
             "--max-restarts and --kill-coordinator need the coordinator process",
         ),
+        (["--netns", "a,b"], "--netns names one namespace per process (3), got 'a,b'"),
+        (
+            ["--processes", "2", "--netns", "a,b", "--no-coordinator-process"],
+            "--netns needs the coordinator process",
+        ),
     ],
 )
 def test_the_example_refuses_checkpoint_options_that_do_not_fit(args, message):
