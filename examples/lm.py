@@ -294,8 +294,17 @@ def parse_method(spec: str, period: int = 0, bits: int = 0, delay: int = 0) -> M
     return Method(kind, h, values["bits"], values["delay"])
 
 
-def make_tx(method: Method, *, steps: int, start: int, lr: float, warmup: int) -> Any:
-    """The optax chain of a method: hook, AdamW (warm-up, cosine decay), averager."""
+def make_tx(
+    method: Method,
+    *,
+    steps: int,
+    start: int,
+    lr: float,
+    warmup: int,
+    outer: dict[str, Any] | None = None,
+) -> Any:
+    """The optax chain of a method: hook, AdamW (warm-up, cosine decay), averager
+    (DiLoCo's outer step: ``optax.sgd(**outer)``, default :data:`DILOCO_OUTER`)."""
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1))
     adamw = optax.adamw(schedule, b2=0.99, weight_decay=0.1)
     if method.kind == "ddp":  # the hook never switches: a global gradient mean every step
@@ -304,7 +313,7 @@ def make_tx(method: Method, *, steps: int, start: int, lr: float, warmup: int) -
     if method.bits:
         options["communication"] = lsgd_jax.comm.quantized(method.bits, two_level=True)
     if method.kind == "diloco":
-        options["outer_optimizer"] = optax.sgd(**DILOCO_OUTER)
+        options["outer_optimizer"] = optax.sgd(**(outer or DILOCO_OUTER))
     averager = lsgd_jax.PeriodicModelAverager(method.period, warmup_steps=start, **options)
     return optax.chain(lsgd_jax.post_local_sgd(start), adamw, lsgd_jax.model_averaging(averager))
 
@@ -348,7 +357,8 @@ class Setup:
 def train(method: Method, setup: Setup, progress: bool = True) -> dict[str, Any]:
     """Trains one method; returns its record (histories included)."""
     a, cfg = setup.args, setup.model
-    tx = make_tx(method, steps=a.steps, start=a.start, lr=a.lr, warmup=a.warmup)
+    outer = {"learning_rate": a.outer_lr, "momentum": a.outer_momentum, "nesterov": True}
+    tx = make_tx(method, steps=a.steps, start=a.start, lr=a.lr, warmup=a.warmup, outer=outer)
     graphdef, params0 = init_model(cfg, a.seed)
     step = lsgd_jax.data_parallel_step(make_loss_fn(graphdef), tx, setup.mesh)
     params = lsgd_jax.replicate(params0, setup.mesh)
@@ -457,6 +467,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--start", type=int, default=100, help="start_localSGD_iter (= warm-up)")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument(
+        "--outer-lr", type=float, default=DILOCO_OUTER["learning_rate"], help="diloco's outer step"
+    )
+    p.add_argument(
+        "--outer-momentum", type=float, default=DILOCO_OUTER["momentum"], help="its momentum"
+    )
     p.add_argument("--warmup", type=int, default=50, help="learning-rate warm-up steps")
     p.add_argument("--global-batch", type=int, default=32, help="sequences, over 8 replicas")
     for name, default in dataclasses.asdict(ModelConfig()).items():

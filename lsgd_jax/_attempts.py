@@ -385,6 +385,8 @@ class Attempts:
                     raise
                 # Its view's communicators may be broken: a retry gets a new epoch.
                 self._failed = self._attempted
+                if self._attempted is not None:  # before the retry's barrier: see agree
+                    _membership.mark_failed(self._attempted)
                 # A dead peer, a timed-out collective, a new member; or a peer that left
                 # with an error of the user's (then this process stops too).
                 me, n = jax.process_index(), jax.process_count()

@@ -28,14 +28,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import time
 from collections.abc import Callable
 from typing import Any
 
+import jax
 from jax.sharding import Mesh
 
 PREFIX = "lsgd_jax/elastic"
+logger = logging.getLogger("lsgd_jax.elastic")
+_PATIENCE_S = 15.0  # a membership record takes milliseconds: log a longer wait
 
 
 class CoordinatorLostError(RuntimeError):
@@ -318,6 +322,28 @@ def mark_committed(epoch: int) -> None:
         pass
 
 
+FAILED = f"{PREFIX}/failed"
+
+
+def mark_failed(epoch: int) -> None:
+    """Records that an attempt of the view ``epoch`` failed on this process after it
+    agreed on that view. Written before the retry's barrier, so every process reads it
+    after: a process whose own attempt failed before it agreed (in the barrier) still
+    knows that the view's communicators may be broken, and the leader and the others
+    agree on whether the retry is a new epoch."""
+    try:
+        client().key_value_set(FAILED, str(int(epoch)), allow_overwrite=True)
+    except Exception:  # the service is gone: nobody can lead anyway
+        pass
+
+
+def _failed_mark(c: Any) -> int | None:
+    try:
+        return int(c.key_value_try_get(FAILED))
+    except Exception:  # NOT_FOUND: no attempt failed yet
+        return None
+
+
 def _committed(c: Any) -> int | None:
     try:
         return int(c.key_value_try_get(COMMITTED))
@@ -384,7 +410,14 @@ class Membership:
         c = client()
         key = _key(members)
         latest = _latest(c)
-        retry = latest is not None and latest.members == members and latest.epoch == failed
+        # A retry of the same members gets a new epoch if any process's attempt of the
+        # latest view failed after agreeing on it (its own ``failed``, or the mark one
+        # of them left before this barrier), the same answer on every process.
+        retry = (
+            latest is not None
+            and latest.members == members
+            and latest.epoch in (failed, _failed_mark(c))
+        )
         if latest is not None and latest.members == members and not retry:
             if latest.restart and latest.step < 0:  # nothing to restart from (below)
                 raise lost(members, latest)
@@ -408,7 +441,7 @@ class Membership:
             joining = tuple(p for p, i in members if (p, i) not in before)
             return self._record(c, key, latest, retry, View(members, 0, step, joining))
         else:
-            view = self._read(c, key, failed if retry else None)
+            view = self._read(c, key, latest.epoch if retry and latest is not None else None)
         if view.restart and view.step < 0:  # the leader found nothing to restart from
             raise lost(members, latest)
         return view
@@ -430,9 +463,25 @@ class Membership:
         """The view recorded under ``key``; with ``after``, one of a later epoch (the
         leader's record for a retry replaces the failed one's under the same key)."""
         deadline = time.monotonic() + self._timeout_ms / 1000
+        patience = time.monotonic() + _PATIENCE_S  # then say what this process waits for
+        warned = False
         while True:
-            left_ms = max(1, int((deadline - time.monotonic()) * 1000))
-            view = View.from_json(c.blocking_key_value_get(key, left_ms))
+            now = time.monotonic()
+            until = deadline if warned else min(deadline, patience)
+            left_ms = max(1, int((until - now) * 1000))
+            try:
+                view = View.from_json(c.blocking_key_value_get(key, left_ms))
+            except Exception:  # a timeout; or the service is gone (then raised again)
+                if warned or time.monotonic() >= deadline:
+                    raise
+                logger.warning(
+                    "lsgd_jax.elastic: process %d waits for the membership record %s "
+                    "(%s) from its leader, %.0f s so far (at most %.0f s)",
+                    jax.process_index(), key, f"after epoch {after}" if after is not None
+                    else "any epoch", _PATIENCE_S, self._timeout_ms / 1000,
+                )  # fmt: skip
+                warned = True
+                continue
             if after is None or view.epoch > after:
                 return view
             if time.monotonic() > deadline:

@@ -45,7 +45,6 @@ def pytest_sessionfinish(session):
 
 # Whole files of the slow tier: multi-process, elastic, examples, notebook, benchmarks.
 SLOW_FILES = {
-    "test_chaos.py",
     "test_multiprocess.py",
     "test_elastic.py",
     "test_elastic_checkpoint.py",
@@ -78,7 +77,6 @@ SLOW_FILES = {
 PROCESS_GROUPS = dict.fromkeys(
     [
         "test_elastic.py",
-        "test_chaos.py",
         "test_multiprocess.py",
         "test_elastic_checkpoint.py",
         "test_elastic_model_state.py",

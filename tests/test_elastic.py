@@ -183,7 +183,9 @@ def test_trainer_0_may_die_and_come_back_and_then_process_1_may_die(tmp_path):
         if not (GLOO_ABORT in out and "aborted (SIGABRT)" in out):
             break  # else gloo aborted a survivor (docs/failures.md): once more
         print("gloo aborted a survivor (known limitation); running it again")
-    assert code == 0, out[-3000:]
+    # (more of the output than elsewhere: in one CI run under load this run stalled
+    # after process 1's death, silently, until the launcher's timeout)
+    assert code == 0, out[-12000:]
     assert "serving 3 processes" in out and "leader task" not in out, out[-3000:]
     assert steps_of(records, 2) == list(range(steps))
     assert steps_of(records, 1)[: second - 2] == list(range(second - 2))
@@ -238,7 +240,7 @@ def test_a_process_that_slips_in_during_the_final_consensus_exits_0(tmp_path):
     said = "process 1 arrived after the run was over (it ended at step 3)"
     assert late.output().count(said) == 1 and "Traceback" not in late.output(), logs
     assert "NOT ENDED" not in late.output() and "CONSENSUS on [0]" in first.output(), logs
-    assert seconds < 60, seconds
+    assert seconds < 90, seconds  # a hang would be 120 s or more (60.8 s seen in CI under load)
 
 
 def test_a_process_started_without_a_coordinator_fails_clearly(tmp_path):
@@ -361,4 +363,4 @@ def test_a_loss_that_raises_ends_every_process_at_once(tmp_path, who):
             assert f"ValueError: the loss failed on process {i}" in o, logs
         else:  # found when its collective timed out (collective_timeout_s, 5 s)
             assert f"process {who} ended the run at step 2 with ValueError: the loss " in o, logs
-    assert seconds < 60, seconds
+    assert seconds < 90, seconds  # a hang would be 120 s or more (60.8 s seen in CI under load)

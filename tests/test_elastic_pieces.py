@@ -280,14 +280,25 @@ def test_a_failed_attempt_with_the_same_members_gets_a_new_epoch(monkeypatch):
     assert _membership.device_rows(1, devices) != _membership.device_rows(0, devices)
     # A failure of an older epoch does not bump the current one again.
     assert m.agree(members, 3, 0, retry, failed=0) == retry
+    # A failure only some processes saw after agreeing: the leader's own attempt failed
+    # before it agreed (in the barrier), process 2's after. Process 2's mark, written
+    # before the retry's barrier, makes the leader record a new epoch too (before, it
+    # returned the old view and process 2 waited for a new one: 120 s, then an error).
+    _membership.mark_failed(1)
+    again = m.agree(members, 3, 0, retry, failed=None)
+    assert (again.epoch, again.members) == (2, members)
+    assert m.agree(members, 3, 2, retry, failed=1) == again
+    assert m.agree(members, 3, 1, retry, failed=None) == again  # the third reads it too
+    store.kv[_membership.FAILED] = "-1"  # (the rest of this test knows no failure)
+    retry = again
     # The committed mark: after process 2 restarts and joins at epoch 2, which commits,
     # it holds the model even if it is the only one left.
     back = ((0, 5), (1, 6), (2, 8))
     joined = m.agree(back, 5, 0, retry)
-    assert (joined.epoch, joined.joining) == (2, (2,))
-    _membership.mark_committed(2)
+    assert (joined.epoch, joined.joining) == (3, (2,))
+    _membership.mark_committed(3)
     alone = m.agree(((2, 8),), 6, 2, joined)
-    assert (alone.epoch, alone.joining, alone.processes) == (3, (), (2,))
+    assert (alone.epoch, alone.joining, alone.processes) == (4, (), (2,))
 
 
 def test_when_no_live_process_holds_the_model_every_one_restarts_from_a_checkpoint(monkeypatch):
