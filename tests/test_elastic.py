@@ -178,7 +178,7 @@ def test_trainer_0_may_die_and_come_back_and_then_process_1_may_die(tmp_path):
         code, seconds, records, out = launch(
             tmp_path / str(attempt),
             *("--kill", "0@8", "--restart", "0@8", "--kill", f"1@{second}"),
-            "--step-time", "0.2", steps=steps,
+            "--step-time", "0.3", steps=steps,
         )  # fmt: skip
         if not (GLOO_ABORT in out and "aborted (SIGABRT)" in out):
             break  # else gloo aborted a survivor (docs/failures.md): once more
@@ -199,12 +199,14 @@ def test_trainer_0_may_die_and_come_back_and_then_process_1_may_die(tmp_path):
     k = next((i for i, s in enumerate(mine) if i != s), died)
     back = mine[k]  # the first step of its new incarnation: that one, or a later one
     assert 8 <= died <= 9 and died - 2 <= k <= died and back >= died, mine
-    assert back < second and mine == list(range(k)) + list(range(back, steps)), mine
+    # It comes back before process 1's death, or (a start slowed by a loaded machine:
+    # seen in CI, at step 20) in the step that follows it.
+    assert back <= second + 1 and mine == list(range(k)) + list(range(back, steps)), mine
     assert len(lost) == 2 and all(r["recovery_s"] for r in lost), lost  # a failed step
     if back > died:  # it came back after that step: the others ran it alone
         assert all(r["live_processes"] == [1, 2] for r in lost), lost
     rejoined = [r for r in records if r.get("step") == back]
-    assert {r["process"] for r in rejoined} == {0, 1, 2}
+    assert {r["process"] for r in rejoined} == ({0, 1, 2} if back < second else {0, 2})
     assert len({r["loss"] for r in rejoined}) == 1  # one step, one mean loss
     recovery = max(r["recovery_s"] for r in lost)
     print(f"trainer 0 killed: recovery {recovery:.2f} s; run {seconds:.1f} s")
