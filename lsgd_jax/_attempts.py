@@ -214,6 +214,19 @@ def _log_change(step: int, before: View, view: View, rows: tuple[int, ...]) -> N
     )
 
 
+def _restarted(restart: Any, view: View, layout: Layout) -> Any:
+    """The state every member of a restart view (nobody held the model) starts from:
+    ``restart.state`` at the view's step, over the view's mesh."""
+    logger.warning(
+        "lsgd_jax.elastic: no live process held the model (live: %s); all restart from "
+        "step %d (%s) and run the steps since again.",
+        list(view.processes),
+        view.step,
+        "the newest checkpoint" if view.step else "the fresh state",
+    )
+    return restart.state(layout.mesh, view.step)
+
+
 # Errors that end this process without being the user's (not posted for the others).
 _NOT_THE_USERS = (CoordinatorLostError, LeftBehindError)
 
@@ -311,14 +324,7 @@ class Attempts:
         if changed or layout is None:
             layout = _membership.layout_for(view)
         if changed and view.restart:
-            logger.warning(
-                "lsgd_jax.elastic: no live process held the model (live: %s); all restart "
-                "from step %d (%s) and run the steps since again.",
-                list(view.processes),
-                view.step,
-                "the newest checkpoint" if view.step else "the fresh state",
-            )
-            state, step = self.restart.state(layout.mesh, view.step), view.step
+            state, step = _restarted(self.restart, view, layout), view.step
         elif changed or self.given is not None:
             state, step = self._adopt(state, step, view, layout, changed)
         if _membership.newcomer() and self.last_step is not None and step >= self.last_step:
