@@ -173,8 +173,11 @@ def test_a_job_resumes_on_more_processes(folder, job_c):
     assert code == 0, out[-3000:]
     assert "resuming at step 10 from checkpoint" in out, out[-3000:]
     for p in (0, 1, 2):
-        assert steps_of(records, p)[:3] == [10, 11, 12], steps_of(records, p)
-    assert all(sorted(r["live_processes"]) == [0, 1, 2] for r in records if r.get("step", 99) < 13)
+        # Each process's first three steps ran with all three. (Process 1 may run step 12
+        # again later, alone, when it restarts from checkpoint 12: see the next test.)
+        first = [r for r in records if r["process"] == p and "step" in r][:3]
+        assert [r["step"] for r in first] == [10, 11, 12], steps_of(records, p)
+        assert all(sorted(r["live_processes"]) == [0, 1, 2] for r in first), first
     # The first checkpoint this job saved holds three replicas.
     params, counters = restore(folder / "ckpt", 12, 3)
     assert all((c == 12).all() for k, c in counters.items() if k.endswith(".step"))
