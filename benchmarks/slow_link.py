@@ -255,6 +255,13 @@ def configs(start: int) -> list[dict]:
         {"name": "hierarchy 2: local, 16: 4-bit two-level, no grad all-reduce, 4-bit warm-up",
          "start": start, "grad_allreduce": False, "levels": {2: "local", 16: "global"},
          "comm": "int4", "hook_comm": "int4"},
+        # Toward 10x DDP's time to target (issue 20 item 6): int8 global averages, which
+        # cost no steps to the target in part 6, with a quantized warm-up.
+        {"name": "H=16, int8 two-level, int8 warm-up", "start": start, "grad_allreduce": True,
+         "levels": h16, "comm": "int8", "hook_comm": "int8"},
+        {"name": "hierarchy 2: local, 16: int8 two-level, no grad all-reduce, 4-bit warm-up",
+         "start": start, "grad_allreduce": False, "levels": {2: "local", 16: "global"},
+         "comm": "int8", "hook_comm": "int4"},
     ]  # fmt: skip
 
 
