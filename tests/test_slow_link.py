@@ -254,3 +254,45 @@ def test_how_each_run_communicates():
     assert sl.strategy("flat") is None
     assert sl.strategy("int4") == lsgd_jax.comm.quantized(4, two_level=True)
     assert cfgs["H=16, 4-bit two-level, no grad all-reduce, delay 8"]["delay"] == 8
+
+
+def load_lm_link():
+    spec = importlib.util.spec_from_file_location("lm_link", ROOT / "benchmarks" / "lm_link.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_lm_link_times_the_steps_up_to_the_first_evaluation_at_the_target():
+    # benchmarks/lm_link.py: the language model across the same emulated link.
+    ll = load_lm_link()
+    assert ll.sl is not None and ll.PREFIX != sl.PREFIX  # its own namespaces
+    evals = [(0, 6.0), (2, 3.0), (4, 2.5), (6, 2.4)]
+    step_s = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    assert ll.time_to(evals, step_s, 2.5) == (4, 10.0)
+    assert ll.time_to(evals, step_s, 2.0) is None
+
+    def run(method, evals, step_s, tx):
+        return {"method": method, "evals": evals, "step_s": step_s, "loss": [], "tx_bytes": tx}
+
+    local2 = run("local2", [(0, 6.0), (6, 2.45)], [1.0] * 6, 5)
+    workers = [
+        {"runs": [run("ddp", evals, step_s, 100), local2]},
+        {"runs": [run("ddp", evals, step_s, 200), run("local2", [], [], 7)]},
+    ]
+    ddp, local = ll.summarize(workers, None)
+    assert ddp["target"] == 2.4 and ddp["time_to_target_s"] == 21.0 and ddp["link_bytes"] == 300
+    assert local["steps_to_target"] is None and local["link_bytes"] == 12  # 2.45 > 2.4
+    ddp, local = ll.summarize(workers, 2.5)
+    assert (ddp["steps_to_target"], local["steps_to_target"]) == (4, 6)
+    table = ll.markdown([ddp, local], "cmd", "100mbit")
+    assert "| local2 | 2.4500 | +0.0500 |" in table and "| 1.67 |" in table  # 10 s / 6 s
+
+
+def test_lm_link_arguments():
+    ll = load_lm_link()
+    assert ll.parse([]).methods.startswith("ddp")
+    with pytest.raises(SystemExit):
+        ll.parse(["--methods", "local32,ddp"])  # DDP first: it sets the target
+    with pytest.raises(SystemExit):
+        ll.parse(["--global-batch", "12"])  # not a multiple of 2 x 4 devices
