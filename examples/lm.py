@@ -294,6 +294,19 @@ def parse_method(spec: str, period: int = 0, bits: int = 0, delay: int = 0) -> M
     return Method(kind, h, values["bits"], values["delay"])
 
 
+def outer_options(lr: float, momentum: float, decay: tuple[int, int, int] | None = None) -> dict:
+    """DiLoCo's outer step, as ``optax.sgd`` keywords (Nesterov momentum). ``decay=(steps,
+    start, period)``: the learning rate falls to 0 along a cosine over the run's outer
+    steps (one at the switch, then every ``period``), so that the momentum stops moving
+    the model when the inner learning rate has decayed (without it, the validation loss
+    rose over the last 100 of 1,500 steps: benchmarks/RESULTS.md part 8)."""
+    if decay is not None:
+        steps, start, period = decay
+        outer_steps = max(1, -(-(steps - start) // max(period, 1)))
+        lr = optax.cosine_decay_schedule(lr, outer_steps)
+    return {"learning_rate": lr, "momentum": momentum, "nesterov": True}
+
+
 def make_tx(
     method: Method,
     *,
@@ -357,7 +370,8 @@ class Setup:
 def train(method: Method, setup: Setup, progress: bool = True) -> dict[str, Any]:
     """Trains one method; returns its record (histories included)."""
     a, cfg = setup.args, setup.model
-    outer = {"learning_rate": a.outer_lr, "momentum": a.outer_momentum, "nesterov": True}
+    decay = (a.steps, a.start, method.period) if a.outer_decay else None
+    outer = outer_options(a.outer_lr, a.outer_momentum, decay)
     tx = make_tx(method, steps=a.steps, start=a.start, lr=a.lr, warmup=a.warmup, outer=outer)
     graphdef, params0 = init_model(cfg, a.seed)
     step = lsgd_jax.data_parallel_step(make_loss_fn(graphdef), tx, setup.mesh)
@@ -472,6 +486,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--outer-momentum", type=float, default=DILOCO_OUTER["momentum"], help="its momentum"
+    )
+    p.add_argument(
+        "--outer-decay",
+        action="store_true",
+        help="diloco's outer learning rate decays to 0 over its outer steps (cosine)",
     )
     p.add_argument("--warmup", type=int, default=50, help="learning-rate warm-up steps")
     p.add_argument("--global-batch", type=int, default=32, help="sequences, over 8 replicas")

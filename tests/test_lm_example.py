@@ -116,3 +116,12 @@ def test_method_names():
     assert lm.parse_method("local32:bits4:delay1").name == "local32:bits4:delay1"
     with pytest.raises(ValueError, match="unknown method"):
         lm.parse_method("adam")
+
+
+def test_the_outer_learning_rate_decays_over_the_outer_steps():
+    lm = load_example("lm")
+    assert lm.outer_options(0.7, 0.9) == {"learning_rate": 0.7, "momentum": 0.9, "nesterov": True}
+    decayed = lm.outer_options(0.7, 0.9, (1500, 500, 32))["learning_rate"]
+    # ceil(1000 / 32) = 32 outer steps: 0.7 at the first (the switch), 0 after the last
+    assert float(decayed(0)) == pytest.approx(0.7) and float(decayed(32)) == 0.0
+    assert 0.0 < float(decayed(31)) < 0.01 < float(decayed(16)) < 0.7
