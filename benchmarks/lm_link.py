@@ -51,20 +51,8 @@ def _lm():
 
 def worker(args) -> None:
     """One node, inside its namespace: trains every method, writes JSON."""
-    if args.parent:
-        sl.die_with_parent(args.parent)
+    sl.join_cluster(args)
     import jax
-
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", args.devices)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        f"{sl.addresses()[0]}:{sl.PORT}",
-        num_processes=2,
-        process_id=args.process_id,
-        initialization_timeout=120,
-        heartbeat_timeout_seconds=120,
-    )
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -132,38 +120,8 @@ def worker(args) -> None:
 
 def run_workers(args, argv: list[str], out_dir: pathlib.Path) -> list[dict]:
     """Both workers; stops both at once when one fails or time runs out."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from multiprocess import processes  # the tests' launcher: logs, env, kill and reap
-
-    cmds = [
-        ["ip", "netns", "exec", ns, sys.executable, str(pathlib.Path(__file__).resolve())]
-        + argv
-        + ["--worker", "--parent", str(os.getpid()), "--out", str(out_dir)]
-        + ["--process-id", str(i)]
-        for i, ns in enumerate(sl.namespaces(args.prefix))
-    ]
-    deadline = time.monotonic() + args.timeout
-    with processes(cmds, out_dir) as procs:
-        shown = 0
-        while True:
-            text = procs[0].output()
-            for line in text[shown:].splitlines(keepends=True):
-                if line.endswith("\n"):
-                    shown += len(line)
-                    if sl.MARK in line:
-                        print("  " + line.split(sl.MARK, 1)[1], end="", flush=True)
-            codes = [p.popen.poll() for p in procs]
-            failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
-            if failed or time.monotonic() > deadline:
-                logs = "\n".join(
-                    f"--- worker {i} ---\n{p.output()[-4000:]}" for i, p in enumerate(procs)
-                )
-                why = f"worker {failed[0]} failed" if failed else "the workers ran past --timeout"
-                raise RuntimeError(f"{why}; stopping both.\n{logs}")
-            if all(c == 0 for c in codes):
-                break
-            time.sleep(0.5)
-    return [json.loads((out_dir / f"worker{i}.json").read_text()) for i in range(2)]
+    argv = [*argv, "--worker", "--parent", str(os.getpid()), "--out", str(out_dir)]
+    return sl.run_nodes(pathlib.Path(__file__), argv, args, out_dir, "", "")
 
 
 def time_to(evals: list, step_s: list[float], target: float) -> tuple[int, float] | None:

@@ -431,8 +431,9 @@ def die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def worker(args) -> None:
-    """One node: runs inside its namespace, writes its measurements as JSON."""
+def join_cluster(args) -> None:
+    """A worker's start: dies with its launcher, then JAX on ``args.devices`` CPU devices,
+    gloo, and the two-process cluster whose coordinator listens in namespace 0."""
     if args.parent:
         die_with_parent(args.parent)
     import jax
@@ -447,6 +448,12 @@ def worker(args) -> None:
         initialization_timeout=120,
         heartbeat_timeout_seconds=120,
     )
+
+
+def worker(args) -> None:
+    """One node: runs inside its namespace, writes its measurements as JSON."""
+    join_cluster(args)
+    import jax
     import jax.numpy as jnp
     import numpy as np
     import optax
@@ -641,9 +648,6 @@ def worker(args) -> None:
 
 def run_workers(args, rate: str, out_dir: pathlib.Path) -> list[dict]:
     """Both workers at ``rate``; stops both at once when one fails or time runs out."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from multiprocess import processes  # the tests' launcher: logs, env, kill and reap
-
     argv = [
         "--worker", "--parent", str(os.getpid()), "--out", str(out_dir),
         "--prefix", args.prefix,
@@ -654,8 +658,20 @@ def run_workers(args, rate: str, out_dir: pathlib.Path) -> list[dict]:
         "--window", str(args.window),
         *(["--runs", args.runs] if args.runs else []),
     ]  # fmt: skip
+    return run_nodes(pathlib.Path(__file__), argv, args, out_dir, f"[{rate}] ", f"at {rate}: ")
+
+
+def run_nodes(
+    script: pathlib.Path, argv: list[str], args, out_dir: pathlib.Path, tag: str, where: str
+) -> list[dict]:
+    """``script argv --process-id i`` in namespace i, for both; echoes process 0's
+    progress lines (tagged), stops both at once when one fails or ``args.timeout``
+    passes, and returns the JSON each wrote to ``out_dir/worker{i}.json``."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from multiprocess import processes  # the tests' launcher: logs, env, kill and reap
+
     cmds = [
-        ["ip", "netns", "exec", ns, sys.executable, str(pathlib.Path(__file__).resolve())]
+        ["ip", "netns", "exec", ns, sys.executable, str(script.resolve())]
         + argv
         + ["--process-id", str(i)]
         for i, ns in enumerate(namespaces(args.prefix))
@@ -669,7 +685,7 @@ def run_workers(args, rate: str, out_dir: pathlib.Path) -> list[dict]:
                 if line.endswith("\n"):
                     shown += len(line)
                     if MARK in line:
-                        print(f"  [{rate}] {line.split(MARK, 1)[1]}", end="", flush=True)
+                        print(f"  {tag}{line.split(MARK, 1)[1]}", end="", flush=True)
             codes = [p.popen.poll() for p in procs]
             failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
             if failed or time.monotonic() > deadline:
@@ -681,7 +697,7 @@ def run_workers(args, rate: str, out_dir: pathlib.Path) -> list[dict]:
                     if failed
                     else f"the workers ran past --timeout {args.timeout:.0f} s"
                 )
-                raise RuntimeError(f"at {rate}: {why}; stopping both.\n{logs}")
+                raise RuntimeError(f"{where}{why}; stopping both.\n{logs}")
             if all(c == 0 for c in codes):
                 break
             time.sleep(0.2)
