@@ -83,6 +83,11 @@ def test_allreduces_per_step_and_the_bound():
             7 / 16,
             1 / 16,
         ),
+        "H=16, int8 two-level, int8 warm-up": (1.0, 1 / 16),
+        "hierarchy 2: local, 16: int8 two-level, no grad all-reduce, 4-bit warm-up": (
+            7 / 16,
+            1 / 16,
+        ),
     }
     c, loc, g = 0.1, 0.05, 1.0
     assert sl.speedup_bound(c, loc, g, cfgs["DDP"]) == pytest.approx(1.0)
@@ -237,7 +242,7 @@ def test_how_each_run_communicates():
     cfgs = by_name()
     assert [sl.comm_of(c) for c in cfgs.values()] == [
         "flat", "flat", "flat", "flat", "two_level", "two_level", "int8", "int4", "int4", "int4",
-        "int4", "int8", "int4", "int4", "int4", "int4",
+        "int4", "int8", "int4", "int4", "int4", "int4", "int8", "int8",
     ]  # fmt: skip
     # the hook's global gradient mean: two-level wherever the run is not flat, unless
     # the run quantizes it (DDP and the warm-up, with error feedback)
@@ -246,6 +251,9 @@ def test_how_each_run_communicates():
     assert sl.global_piece(cfgs["DDP, int8 gradients"]) == "int8"
     warm = cfgs["H=16, 4-bit two-level, no grad all-reduce, 4-bit warm-up"]
     assert (sl.hook_comm_of(warm), sl.comm_of(warm)) == ("int4", "int4")
+    best = cfgs["hierarchy 2: local, 16: int8 two-level, no grad all-reduce, 4-bit warm-up"]
+    assert (sl.hook_comm_of(best), sl.comm_of(best)) == ("int4", "int8")
+    assert not best["grad_allreduce"]
     assert sl.global_piece(cfgs["DDP, two-level"]) == "two_level"
     assert sl.global_piece(cfgs["H=16, 4-bit two-level"]) == "int4"
     # steps 0 .. 79, switch at 4: 4 gradient means, then averages at 4, 20, 36, 52, 68
