@@ -269,12 +269,13 @@ COMMS = ("flat", "two_level", "int8", "int4")
 
 
 def chosen_configs(args) -> list[dict]:
-    """The runs ``--runs`` names (substrings, comma-separated), DDP always first (the
+    """The runs ``--runs`` names (substrings, comma-separated; semicolon-separated when
+    it has a ``;``, since the names themselves hold commas), DDP always first (the
     speedups are against it); all runs without ``--runs``."""
     runs = configs(args.start)
     if not getattr(args, "runs", None):
         return runs
-    wanted = [w.strip() for w in args.runs.split(",") if w.strip()]
+    wanted = [w.strip() for w in args.runs.split(";" if ";" in args.runs else ",") if w.strip()]
     return [runs[0]] + [c for c in runs[1:] if any(w in c["name"] for w in wanted)]
 
 
@@ -901,7 +902,9 @@ def parse(argv=None):
         "workers take precedence over niced jobs of other sessions), then restore it",
     )
     ap.add_argument(
-        "--runs", default=None, help="only the runs whose names contain these (comma-separated)"
+        "--runs",
+        default=None,
+        help="only the runs whose names contain these (comma-separated; ';' if any)",
     )
     ap.add_argument("--check", action="store_true", help="only check that it can run")
     ap.add_argument("--teardown", action="store_true", help="only remove leftovers")

@@ -304,3 +304,13 @@ def test_lm_link_arguments():
         ll.parse(["--methods", "local32,ddp"])  # DDP first: it sets the target
     with pytest.raises(SystemExit):
         ll.parse(["--global-batch", "12"])  # not a multiple of 2 x 4 devices
+
+
+def test_runs_are_chosen_by_substrings_and_names_with_commas_by_semicolons():
+    def chosen(runs):
+        return [c["name"] for c in sl.chosen_configs(sl.parse(["--runs", runs]))]
+
+    assert chosen("H=4") == ["DDP", "post-local SGD, H=4"]  # DDP first, always
+    best = "hierarchy 2: local, 16: int8 two-level, no grad all-reduce, 4-bit warm-up"
+    assert chosen(best + ";") == ["DDP", best]
+    assert len(chosen(best)) > 5  # split at its commas: " no grad all-reduce" matches many
