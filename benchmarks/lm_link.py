@@ -79,7 +79,11 @@ def worker(args) -> None:
     out = {"process": me, "runs": []}
     for spec in args.methods.split(","):
         method = lm.parse_method(spec)
-        tx = lm.make_tx(method, steps=args.steps, start=args.start, lr=args.lr, warmup=args.warmup)
+        decay = (args.steps, args.start, method.period) if args.outer_decay else None
+        outer = lm.outer_options(args.outer_lr, args.outer_momentum, decay)
+        tx = lm.make_tx(
+            method, steps=args.steps, start=args.start, lr=args.lr, warmup=args.warmup, outer=outer
+        )
         graphdef, params0 = lm.init_model(cfg, args.seed)
         step = lsgd_jax.data_parallel_step(lm.make_loss_fn(graphdef), tx, mesh)
         data = lm.batches(corpus.train, args.global_batch, cfg.context, args.seed)
@@ -186,6 +190,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--start", type=int, default=100, help="start_localSGD_iter (the switch)")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=30, help="learning-rate warm-up steps")
+    ap.add_argument("--outer-lr", type=float, default=0.7, help="diloco's outer step")
+    ap.add_argument("--outer-momentum", type=float, default=0.9, help="its momentum")
+    ap.add_argument("--outer-decay", action="store_true", help="as examples/lm.py's")
     ap.add_argument("--global-batch", type=int, default=32, help="sequences, over all replicas")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--width", type=int, default=128)

@@ -300,6 +300,8 @@ def test_lm_link_times_the_steps_up_to_the_first_evaluation_at_the_target():
 def test_lm_link_arguments():
     ll = load_lm_link()
     assert ll.parse([]).methods.startswith("ddp")
+    args = ll.parse(["--outer-decay", "--outer-lr", "0.5"])
+    assert args.outer_decay and args.outer_lr == 0.5 and args.outer_momentum == 0.9
     with pytest.raises(SystemExit):
         ll.parse(["--methods", "local32,ddp"])  # DDP first: it sets the target
     with pytest.raises(SystemExit):
