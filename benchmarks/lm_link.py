@@ -207,11 +207,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=3600, help="seconds for the whole run")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--autogroup-nice", type=int, default=None, help="as slow_link.py's")
-    ap.add_argument("--prefix", default=PREFIX, help=argparse.SUPPRESS)
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--parent", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    sl.worker_arguments(ap, PREFIX)
     args = ap.parse_args(argv)
     if not args.methods.startswith("ddp"):
         ap.error(f"--methods must start with ddp (the reference), got {args.methods!r}")

@@ -878,6 +878,15 @@ def _jax_version() -> str:
         return "?"
 
 
+def worker_arguments(ap: argparse.ArgumentParser, prefix: str) -> None:
+    """The hidden arguments a launcher passes to its workers (:func:`run_nodes`)."""
+    ap.add_argument("--prefix", default=prefix, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--parent", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+
+
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rates", default="1gbit,100mbit", help="tc rates, comma-separated")
@@ -908,11 +917,7 @@ def parse(argv=None):
     )
     ap.add_argument("--check", action="store_true", help="only check that it can run")
     ap.add_argument("--teardown", action="store_true", help="only remove leftovers")
-    ap.add_argument("--prefix", default=PREFIX, help=argparse.SUPPRESS)
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--parent", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    worker_arguments(ap, PREFIX)
     args = ap.parse_args(argv)
     rates = [r for r in args.rates.split(",") if r]
     try:
