@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import numpy as np
@@ -190,14 +191,17 @@ def test_when_every_holder_of_the_model_is_gone_a_newcomer_restarts_from_the_che
 
     code, seconds, records, out = job_c
     assert code == 0, out[-3000:]
-    assert "killed process 0 at step 15" in out, out[-3000:]
+    # The launcher kills process 0 when it sees step 15 start, or a step later on a loaded
+    # machine (it polls the processes' events); before step 18, with process 1 alone left.
+    killed = re.search(r"killed process 0 at step (\d+)", out)
+    assert killed and 15 <= int(killed[1]) < 18, out[-3000:]
     # Two incarnations: steps 10-12 (or 13) with the others, then alone from the restart.
     mine = [r for r in records if r["process"] == 1 and "step" in r]
     first = [r["step"] for r in mine if r["live_processes"] == [0, 1, 2]]
     second = [r["step"] for r in mine if r["live_processes"] == [1]]
     assert len(first) + len(second) == len(mine), mine
     restart = second[0]
-    assert first[:3] == [10, 11, 12] and restart in (12, 14), mine
+    assert first[:3] == [10, 11, 12] and restart % 2 == 0 and 12 <= restart <= int(killed[1]), mine
     assert f"all restart from step {restart} (the newest checkpoint)" in out, out[-3000:]
     assert second == list(range(restart, 18)), mine
     one_model(records, [1], out)  # 0 and 2 were not restarted
