@@ -51,6 +51,13 @@ state never saw a step, the mean count), added to each JSON step line as ``"aux"
 the final line adds ``model_state_sha256`` (of the consensus model state) and
 ``model_state_spread`` (the largest difference of a local replica's model state from
 it). ``--delay D``: model averages land D steps after they start.
+
+``--fsdp``: each process is one replica that spans its devices (``step_options=
+{"fsdp_axes": "local"}``): params, optimizer and averager state sharded over them, its
+rows split over them inside the step, and a restarted process healed shard by shard;
+post-local SGD's node-local means are then no mean at all (the replica's gradients are
+the node's). The final line's ``state_bytes_per_device`` (with or without ``--fsdp``)
+is the most bytes of the loop's state one device holds.
 """
 
 from __future__ import annotations
@@ -179,6 +186,11 @@ def parse(argv=None):
         help="model state (a running mean of the inputs per replica) and aux in the step",
     )
     ap.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="each process one replica, sharded over its devices (step_options fsdp_axes='local')",
+    )
+    ap.add_argument(
         "--comm",
         choices=["flat", "int8", "int4"],
         default="flat",
@@ -217,8 +229,8 @@ def _checked(ap: argparse.ArgumentParser, args):
         ap.error("--max-restarts and --kill-coordinator need the coordinator process")
     if (args.checkpoint_dir is None) != (args.checkpoint_every is None):
         ap.error("--checkpoint-dir and --checkpoint-every go together")
-    if args.model_state and args.plain:
-        ap.error("--model-state runs in the elastic loop only (not with --plain)")
+    if (args.model_state or args.fsdp) and args.plain:
+        ap.error("--model-state and --fsdp run in the elastic loop only (not with --plain)")
     if args.delay < 0:
         ap.error(f"--delay must be 0 or more, got {args.delay}")
     if args.netns and len(args.netns.split(",")) != args.processes:
@@ -331,8 +343,11 @@ def _model(args):
         "w2": (rng.standard_normal((64, 10)) / 8).astype(np.float32),
         "b2": np.zeros(10, np.float32),
     }
+    # With --fsdp a replica is a process: its gradients are the node's mean already
+    # after the switch, and the averages' two levels would be one.
+    hook = {"process_group": "node", "post_local_gradient_allreduce": False} if args.fsdp else {}
     tx = optax.chain(
-        lsgd_jax.post_local_sgd(args.start),
+        lsgd_jax.post_local_sgd(args.start, **hook),
         optax.sgd(args.lr, momentum=0.9),
         lsgd_jax.model_averaging(
             lsgd_jax.PeriodicModelAverager(
@@ -341,7 +356,9 @@ def _model(args):
                 delay=args.delay,
                 communication=None
                 if args.comm == "flat"
-                else lsgd_jax.comm.quantized(8 if args.comm == "int8" else 4, two_level=True),
+                else lsgd_jax.comm.quantized(
+                    8 if args.comm == "int8" else 4, two_level=not args.fsdp
+                ),
             )
         ),
     )
@@ -453,15 +470,16 @@ def worker(args) -> None:
             os._exit(3)
 
     ckpt = {"checkpoint_dir": args.checkpoint_dir, "checkpoint_every": args.checkpoint_every}
+    ckpt["step_options"] = {"fsdp_axes": "local"} if args.fsdp else {}
     if args.model_state:
-        ckpt["step_options"] = {"with_model_state": True, "has_aux": True}
+        ckpt["step_options"].update({"with_model_state": True, "has_aux": True})
         ckpt["init_model_state"] = {"mean": np.zeros(64, np.float32), "seen": np.float32(0)}
     loop = elastic.ElasticLoop(
         loss_fn, tx, init, batch_fn, stall_timeout_s=args.stall_timeout, on_step=on_step, **ckpt
     )
     result = loop.run(args.steps)
     _say_timing(me, stamps)
-    final = {"process": me, "final": True}
+    final = {"process": me, "final": True, "state_bytes_per_device": _bytes_per_device(result)}
     if args.model_state:
         model, stats = jax.device_get(loop.consensus(result, model_state=True))
         final.update(_model_state_summary(result.model_state, stats))
@@ -473,6 +491,18 @@ def worker(args) -> None:
     emit(out, final)
     emit(events, {"process": me, "final": True})
     loop.shutdown()
+
+
+def _bytes_per_device(result) -> int:
+    """The most bytes of the loop's state (params, optimizer and averager state, model
+    state) that one of this process's devices holds."""
+    import jax
+
+    held: dict = {}
+    for leaf in jax.tree.leaves(result.state):
+        for s in leaf.addressable_shards:
+            held[s.device] = held.get(s.device, 0) + s.data.nbytes
+    return max(held.values())
 
 
 def _sha256(tree) -> str:

@@ -245,6 +245,8 @@ class Attempts:
         restart from (None: none), asked on the membership's leader; then every
         member's ``restart.state(mesh, step)``. None: no restart (the run ends with
         ``CoordinatorLostError``).
+      shard_over: FSDP axes inside a replica (``("local",)``: one replica a process,
+        sharded over its devices); none: one replica a device.
 
     Attributes:
       view: the membership of the last committed attempt (None before the first).
@@ -265,8 +267,11 @@ class Attempts:
         stall_timeout_s: float | None,
         max_failures: int,
         restart: Any = None,
+        shard_over: tuple[str, ...] = (),
     ) -> None:
         self._fresh, self._max_failures, self.restart = fresh, max_failures, restart
+        self._inside = shard_over
+        self._axes = tuple(a for a in AXES if a not in shard_over)  # the data axes
         self._membership = _membership.Membership(timeout_s=120.0)
         _membership.forget_own_gloo_keys({d.id for d in jax.local_devices()})
         _membership.forget_user_error(jax.process_index())
@@ -291,7 +296,7 @@ class Attempts:
         if joining or state is None:
             state, step = self._fresh(layout.mesh), view.step
         else:
-            state = tuple(_heal.reshard(x, layout.mesh, AXES) for x in state)
+            state = tuple(_heal.reshard(x, layout.mesh, self._axes, self._inside) for x in state)
             if new_view and step != view.step:
                 raise RuntimeError(
                     f"lsgd_jax.elastic: process {me} is at step {step} but the survivors "
@@ -301,7 +306,9 @@ class Attempts:
             # Params and model state (if any) are healed alike: the live replicas' mean.
             *model, opt_state = state
             source = min(p for p in view.processes if p not in view.joining)
-            healed = _heal.heal(tuple(model), opt_state, layout.mesh, AXES, joining, me == source)
+            healed = _heal.heal(
+                tuple(model), opt_state, layout.mesh, self._axes, joining, me == source
+            )
             state = (*healed[0], healed[1])
         return state, step
 

@@ -129,7 +129,7 @@ def _record(skipped: jax.Array | None, like: jax.Array) -> jax.Array:
         return jnp.zeros_like(like)
     missing = tuple(a for a in _collectives.vma(skipped) if a not in _collectives.vma(like))
     if missing:
-        skipped = lax.pmax(skipped.astype(jnp.int32), missing) > 0
+        skipped = _collectives.all_reduce(lax.pmax, skipped.astype(jnp.int32), missing) > 0
     return _collectives.cast_like(skipped, like)
 
 

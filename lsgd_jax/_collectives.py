@@ -317,7 +317,37 @@ def _psum(operands: list[jax.Array], group: Group) -> list[jax.Array]:
                 "jax.shard_map it needs check_vma=False. Better, give the node its own mesh "
                 "axis (lsgd_jax.make_mesh() has 'node' and 'local') and name it instead."
             ) from e
-    return lax.psum(operands, group)
+    return all_reduce(lax.psum, operands, group)
+
+
+def all_reduce(reduce: Callable[..., Any], operands: Any, axes: Any) -> Any:
+    """``reduce(operands, axes)`` (``lax.psum``, ``pmean``, ``pmax``...) over named mesh
+    axes; over axes of one replica in all, the operands themselves (what the reduction
+    gives), typed as it types them (invariant over ``axes``), without an all-reduce.
+
+    XLA's SPMD partitioner rejects an all-reduce whose manual axes hold one device while
+    other mesh axes stay automatic ("Cross-partition allreduce must be in (partial)
+    manual partitioning mode"): a step with FSDP axes (or model axes) on a one-node
+    mesh, e.g. an elastic run down to one process.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax import lax
+      >>> from lsgd_jax._collectives import all_reduce
+      >>> jax.vmap(lambda x: all_reduce(lax.psum, x, "i"), axis_name="i")(jnp.ones(1))
+      Array([1.], dtype=float32)
+    """
+    gather = _compat.all_gather_invariant()
+    if gather is not None and axes and lax.axis_size(axes) == 1 and _partly_manual():
+        return jax.tree.map(lambda x: gather(x, axes)[0], operands)
+    return reduce(operands, axes)
+
+
+def _partly_manual() -> bool:
+    """Whether this runs in a ``shard_map`` with some mesh axes manual, others automatic."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = getattr(mesh, "manual_axes", ())
+    return bool(manual) and len(manual) < len(getattr(mesh, "axis_names", ()))
 
 
 def _restore(

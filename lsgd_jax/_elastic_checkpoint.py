@@ -165,10 +165,12 @@ class Checkpoints:
     Args:
       directory: the folder (one subfolder per saved step).
       every: save at the start of every step that is a multiple of it (not step 0).
+      shard_over: the loop's FSDP axes (``("local",)``: one replica a process, sharded
+        over its devices), how a restored state is laid out; none: one replica a device.
     """
 
-    def __init__(self, directory: str, every: int) -> None:
-        self.directory, self.every = directory, every
+    def __init__(self, directory: str, every: int, shard_over: tuple[str, ...] = ()) -> None:
+        self.directory, self.every, self.shard_over = directory, every, shard_over
         self._pending: list[tuple[Any, str, int]] = []  # (writer, staging, step)
         atexit.register(self.wait)  # a normal exit waits for (and reports) the writers
 
@@ -252,12 +254,15 @@ class Checkpoints:
         (its replicas resized to the mesh's), read by every process of the mesh."""
         from lsgd_jax._mesh import replicate
 
-        target = {
-            "params": replicate(init_params, mesh),
-            "opt_state": replicate(tx.init(init_params), mesh),
-        }
+        inside = self.shard_over
+        axes = tuple(a for a in mesh.axis_names if a not in inside)
+
+        def place(tree):
+            return replicate(tree, mesh, axes, shard_over=inside or None)
+
+        target = {"params": place(init_params), "opt_state": place(tx.init(init_params))}
         if init_model_state is not None:
-            target["model_state"] = replicate(init_model_state, mesh)
+            target["model_state"] = place(init_model_state)
         try:
             # Only the mesh's processes take part (the step is agreed already).
             tree = _checkpoint.restore_checkpoint(

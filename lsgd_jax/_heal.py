@@ -1,7 +1,9 @@
 """Moving per-replica state onto a new membership's mesh, and healing joiners.
 
-Nothing moves between devices when the mesh changes: each device keeps its own
-replica's values, and a new global array is assembled from the local shards
+Nothing leaves a process when the mesh changes: each device keeps its own replica's
+values (with one replica a process, sharded over its devices, a device whose position
+in its row changed gets the shard of its new position from the local device that held
+it), and a new global array is assembled from the local shards
 (``jax.make_array_from_single_device_arrays``). A process that joins has no state of
 its own; one collective program gives its replicas the survivors' consensus params
 and model state, if any (their mean), and one live replica's optimizer state and
@@ -19,20 +21,28 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lsgd_jax._mesh import _num_replicas
+from lsgd_jax._mesh import _num_replicas, replica_spec
 
 
-def reshard(tree: Any, mesh: Mesh, axes: tuple[str, ...]) -> Any:
-    """The same per-replica values, as global arrays over ``mesh`` (one replica a device).
+def reshard(tree: Any, mesh: Mesh, axes: tuple[str, ...], inside: tuple[str, ...] = ()) -> Any:
+    """The same per-replica values, as global arrays over ``mesh``.
+
+    Each replica stays on the devices that hold it: one device each, or with ``inside``
+    (FSDP axes: a replica spans the devices of one process) this process's devices,
+    which may take other positions in the new mesh's rows; a device then gets the
+    shard of its new position from the local device that held it (no copy when that
+    is itself).
 
     Args:
-      tree: arrays with a leading replica axis, one replica on each of this process's
-        devices (sharded over any earlier mesh that holds these devices).
+      tree: arrays with a leading replica axis over an earlier mesh that holds these
+        devices, laid out as :func:`lsgd_jax.replicate` lays them out with
+        ``shard_over=inside``.
       mesh: the new mesh; this process's devices must be among its devices.
       axes: the mesh axes the replica axis is split over.
+      inside: the FSDP axes inside each replica (none: one replica per device).
 
     Returns:
-      The tree over ``mesh`` (no copies: the local buffers are reused).
+      The tree over ``mesh``.
 
     Example:
       >>> import jax, numpy as np
@@ -45,15 +55,34 @@ def reshard(tree: Any, mesh: Mesh, axes: tuple[str, ...]) -> Any:
       >>> reshard({"w": x}, b, ("node", "local"))["w"]  # each device kept its value
       Array([1., 0.], dtype=float32)
     """
-    sharding = NamedSharding(mesh, P(axes))
     n = _num_replicas(mesh, axes)
 
     def one(x):
-        by_device = {s.device: s.data for s in x.addressable_shards}
-        local = [by_device[d] for d in sharding.addressable_devices]
-        return jax.make_array_from_single_device_arrays((n, *x.shape[1:]), sharding, local)
+        shape = (n, *x.shape[1:])
+        sharding = NamedSharding(mesh, replica_spec(x.shape[1:], mesh, axes, inside))
+        wanted = sharding.addressable_devices_indices_map(shape)
+        old = {s.device: s for s in x.addressable_shards}
+        local = []
+        for d in sharding.addressable_devices:
+            replica = _bounds(old[d].index[:1], x.shape[:1])  # the replica d holds
+            index = wanted[d]
+            assert index is not None  # an addressable device's
+            inner = _bounds(index[1:], shape[1:])
+            held = next(
+                s
+                for s in old.values()
+                if _bounds(s.index[:1], x.shape[:1]) == replica
+                and _bounds(s.index[1:], x.shape[1:]) == inner
+            )
+            local.append(held.data if held.device == d else jax.device_put(held.data, d))
+        return jax.make_array_from_single_device_arrays(shape, sharding, local)
 
     return jax.tree.map(one, tree)
+
+
+def _bounds(index: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """A shard's index (slices) as ``(start, stop)`` per dimension of ``shape``."""
+    return tuple(sl.indices(dim)[:2] for sl, dim in zip(index, shape))
 
 
 def local_flags(mesh: Mesh, axes: tuple[str, ...], value: bool) -> jax.Array:
@@ -67,8 +96,12 @@ def local_flags(mesh: Mesh, axes: tuple[str, ...], value: bool) -> jax.Array:
     return jax.make_array_from_callback((n,), sharding, fill)
 
 
-def _heal_program(mesh: Mesh, axes: tuple[str, ...]):
+def _heal_program(mesh: Mesh, axes: tuple[str, ...], specs: Any = None):
+    """The program that heals ``(params, opt_state)`` laid out by ``specs`` (their
+    arrays' partition specs, e.g. FSDP shards inside a replica; default ``P(axes)``
+    for both: one replica a device)."""
     spec = P(axes)
+    specs = (spec, spec) if specs is None else specs
 
     def body(params, opt_state, joining, source):
         keep = (~joining).astype(jnp.float32)  # (1,): this replica's weight in the mean
@@ -97,9 +130,7 @@ def _heal_program(mesh: Mesh, axes: tuple[str, ...]):
 
         return jax.tree.map(mean, params), jax.tree_util.tree_map_with_path(state_leaf, opt_state)
 
-    return jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, spec), out_specs=(spec, spec))
-    )
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(*specs, spec, spec), out_specs=specs))
 
 
 def heal(
@@ -132,4 +163,5 @@ def heal(
         return np.array([source and start == lowest])
 
     pick = jax.make_array_from_callback((n,), sharding, src)
-    return _heal_program(mesh, axes)(params, opt_state, join, pick)
+    specs = jax.tree.map(lambda x: x.sharding.spec, (params, opt_state))
+    return _heal_program(mesh, axes, specs)(params, opt_state, join, pick)

@@ -169,7 +169,7 @@ def replicate(
       >>> w.shape, w.sharding.spec, w.addressable_shards[0].data.shape
       ((2, 3, 8), P('node', None, 'local'), (1, 3, 2))
     """
-    from jax.sharding import NamedSharding, PartitionSpec
+    from jax.sharding import NamedSharding
 
     from lsgd_jax import _fsdp, _offload
 
@@ -179,10 +179,7 @@ def replicate(
 
     def one(x, memory_kind=None):
         host = np.asarray(x)
-        inner = list(_fsdp.leaf_spec(host.shape, mesh, inside))
-        while inner and inner[-1] is None:  # P(axes) when nothing is split inside
-            inner.pop()
-        spec = PartitionSpec(axes, *inner)
+        spec = replica_spec(host.shape, mesh, axes, inside)
         full = np.broadcast_to(host[None], (n, *host.shape))
         sharding = NamedSharding(mesh, spec, memory_kind=memory_kind)
         return jax.make_array_from_callback(full.shape, sharding, lambda index: full[index])
@@ -191,6 +188,27 @@ def replicate(
         return _offload.place(x, one) if _offload.is_offloaded(x) else one(x)
 
     return jax.tree.map(node, tree, is_leaf=_offload.is_offloaded)
+
+
+def replica_spec(shape: Sequence[int], mesh: Mesh, axes: tuple[str, ...], inside: tuple[str, ...]):
+    """How :func:`replicate` lays out a leaf of ``shape`` (without its replica axis): the
+    replica axis over ``axes``, and inside each replica the FSDP rule over ``inside``.
+
+    Example:
+      >>> import lsgd_jax
+      >>> from lsgd_jax._mesh import replica_spec
+      >>> mesh = lsgd_jax.make_mesh(2, 4)
+      >>> replica_spec((3, 8), mesh, ("node",), ("local",)), replica_spec((3,), mesh, ("node",), ())
+      (P('node', None, 'local'), P('node',))
+    """
+    from jax.sharding import PartitionSpec
+
+    from lsgd_jax import _fsdp
+
+    inner = list(_fsdp.leaf_spec(shape, mesh, inside))
+    while inner and inner[-1] is None:  # P(axes) when nothing is split inside
+        inner.pop()
+    return PartitionSpec(axes, *inner)
 
 
 def unreplicate(tree: Any) -> Any:

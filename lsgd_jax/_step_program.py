@@ -98,9 +98,8 @@ def _average_like_params(model_state: Any, opt_state: Any, new_opt_state: Any) -
 
 def _metrics_mean(tree: Any, axes: tuple[str, ...]) -> Any:
     def one(x):
-        if _collectives.is_averaged(x):
-            return lax.pmean(x, axes)
-        return lax.psum(x, axes)
+        reduce = lax.pmean if _collectives.is_averaged(x) else lax.psum
+        return _collectives.all_reduce(reduce, x, axes)
 
     return jax.tree.map(one, tree)
 
@@ -218,7 +217,8 @@ def _replica_body(spec: StepSpec, mode: int | str, work: Callable[..., tuple]) -
             *out, loss, aux = work(operands, None)
         out = jax.tree.map(lambda x: x[None], tuple(out))
         with jax.named_scope("metrics"):
-            loss, aux = lax.pmean(loss, spec.axes), _metrics_mean(aux, spec.axes)
+            loss = _collectives.all_reduce(lax.pmean, loss, spec.axes)
+            aux = _metrics_mean(aux, spec.axes)
         return (*out, loss, aux, _collectives.cast_varying(ok, axes)[None])
 
     return body

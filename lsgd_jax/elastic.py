@@ -343,10 +343,19 @@ def _state_names(init_model_state: Any) -> tuple[str, ...]:
     return ("params", "model_state", "opt_state")
 
 
-def _check_state(state: Any, init_params: Any, tx: Any, init_model_state: Any = None) -> None:
+def _check_state(
+    state: Any,
+    init_params: Any,
+    tx: Any,
+    init_model_state: Any = None,
+    inside: tuple[str, ...] = (),
+) -> None:
     """ValueError unless ``state`` is ``(params, opt_state)`` (``(params, model_state,
     opt_state)`` with model state) of this loop's structure and shapes, with one
-    replica on each of this process's devices (what a step needs)."""
+    replica on each of this process's devices (what a step needs), or with ``inside``
+    (FSDP) one replica over them, each device holding its shard of every leaf."""
+    from lsgd_jax._mesh import _num_replicas, replica_spec
+
     where = "ElasticLoop.run: initial_state"
     names = _state_names(init_model_state)
     if not (isinstance(state, (tuple, list)) and len(state) == len(names)):
@@ -358,6 +367,13 @@ def _check_state(state: Any, init_params: Any, tx: Any, init_model_state: Any = 
     if init_model_state is not None:
         like = (init_params, init_model_state, like[1])
     devices = set(jax.local_devices())
+    mine = Mesh(np.array(jax.local_devices()).reshape(1, -1), _attempts.AXES)
+    axes = _data_axes(inside)
+
+    def shard_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+        spec = replica_spec(shape, mine, axes, inside)
+        return NamedSharding(mine, spec).shard_shape((_num_replicas(mine, axes), *shape))
+
     for name, tree, model in zip(names, state, like):
         got: Any = jax.tree.structure(tree)
         if got != jax.tree.structure(model):
@@ -372,13 +388,20 @@ def _check_state(state: Any, init_params: Any, tx: Any, init_model_state: Any = 
             shards = {s.device: s.data.shape for s in getattr(x, "addressable_shards", [])}
             per_device = set(shards.values())
             shape = tuple(getattr(m, "shape", np.shape(m)))
-            if devices - set(shards) or per_device != {(1, *shape)}:
+            if devices - set(shards) or per_device != {shard_shape(shape)}:
+                how = (
+                    f"one replica of shape {shape} on each of this process's {len(devices)} "
+                    "devices, like a result's params and opt_state or "
+                    "lsgd_jax.replicate(x, mesh)"
+                    if not inside
+                    else f"one replica of shape {shape} split over this process's "
+                    f"{len(devices)} devices (shards of shape {shard_shape(shape)}), like a "
+                    "result's params and opt_state (step_options fsdp_axes='local')"
+                )
                 raise ValueError(
                     f"{where}: {name}{jax.tree_util.keystr(path)} (shape {np.shape(x)}, "
                     f"{len(shards)} local shards of shapes {sorted(per_device)}) must have a "
-                    f"leading replica axis with one replica of shape {shape} on each "
-                    f"of this process's {len(devices)} devices, like a result's params and "
-                    "opt_state or lsgd_jax.replicate(x, mesh)."
+                    f"leading replica axis with {how}."
                 )
 
 
@@ -495,8 +518,8 @@ def _check_loop_args(
     stall = _positive_seconds(stall_timeout_s, "ElasticLoop: stall_timeout_s", none_ok=True)
     _check_stall_against_timeouts(stall)
     failures = _validate.positive_int(max_failures, "ElasticLoop: max_failures")
-    one = Mesh(np.array(jax.local_devices()[:1]).reshape(1, 1), ("node", "local"))
-    data_parallel_step(loss_fn, tx, one, donate=False, **options)
+    one = Mesh(np.array(jax.local_devices()[:1]).reshape(1, 1), _attempts.AXES)
+    data_parallel_step(loss_fn, tx, one, axes=_data_axes(_inside(options)), donate=False, **options)
     return stall, failures
 
 
@@ -527,14 +550,41 @@ def _fresh_job(initial_state: Any, first_step: Any, ran: bool) -> bool:
     return _membership._latest(_membership.client()) is None
 
 
-def _fresh_state(mesh: Mesh, init_params: Any, tx: Any, init_model_state: Any) -> tuple:
-    """A fresh state over ``mesh``: ``(params, [model_state,] opt_state)``, replicated."""
+def _fresh_state(
+    mesh: Mesh, init_params: Any, tx: Any, init_model_state: Any, inside: tuple[str, ...] = ()
+) -> tuple:
+    """A fresh state over ``mesh``: ``(params, [model_state,] opt_state)``, replicated
+    (with ``inside``, FSDP axes: one replica a process, sharded over its devices)."""
     from lsgd_jax._mesh import replicate
 
-    fresh = (replicate(init_params, mesh), replicate(tx.init(init_params), mesh))
+    def place(tree):
+        return replicate(tree, mesh, _data_axes(inside), shard_over=inside or None)
+
+    fresh = (place(init_params), place(tx.init(init_params)))
     if init_model_state is None:
         return fresh
-    return fresh[0], replicate(init_model_state, mesh), fresh[1]
+    return fresh[0], place(init_model_state), fresh[1]
+
+
+def _data_axes(inside: tuple[str, ...]) -> tuple[str, ...]:
+    """The loop's data axes: ``("node", "local")``, or ``("node",)`` when a replica
+    spans a process's devices (``inside == ("local",)``)."""
+    return tuple(a for a in _attempts.AXES if a not in inside)
+
+
+def _inside(options: dict[str, Any]) -> tuple[str, ...]:
+    """The FSDP axes of ``step_options`` (``fsdp_axes``): ``("local",)`` or none."""
+    fsdp = options.get("fsdp_axes")
+    if fsdp is None:
+        return ()
+    if fsdp in ("local", ("local",), ["local"]):
+        return ("local",)
+    raise ValueError(
+        f"ElasticLoop: step_options fsdp_axes={fsdp!r} is not supported: the loop's mesh "
+        "has one row per process, axes ('node', 'local'). Pass fsdp_axes='local' (each "
+        "process one replica, its params, optimizer and averager state sharded over its "
+        "devices; averages across processes), or leave it out (one replica a device)."
+    )
 
 
 def _split_outputs(out: tuple[Any, ...], n_state: int) -> tuple[Any, Any, Any]:
@@ -569,6 +619,7 @@ class _TrainWork:
         self._loss_fn, self._tx, self._options = loss_fn, tx, options
         self._batch_fn, self._checkpoints, self._on_attempt = batch_fn, checkpoints, on_attempt
         self._steps: dict[tuple[int, ...], Any] = {}
+        self._axes = _data_axes(_inside(options))
 
     def step_fn(self, layout: Layout):
         from lsgd_jax._step import data_parallel_step
@@ -576,7 +627,7 @@ class _TrainWork:
         key = tuple(d.id for d in layout.mesh.devices.flat)
         if key not in self._steps:
             self._steps[key] = data_parallel_step(
-                self._loss_fn, self._tx, layout.mesh, donate=False, **self._options
+                self._loss_fn, self._tx, layout.mesh, axes=self._axes, donate=False, **self._options
             )
         return self._steps[key]
 
@@ -586,7 +637,7 @@ class _TrainWork:
             ckpt.save(state, step, layout.processes)  # the state step `step` starts from
         if self._on_attempt is not None:
             self._on_attempt(step, layout)
-        sharding = NamedSharding(layout.mesh, P(("node", "local")))
+        sharding = NamedSharding(layout.mesh, P(self._axes))
         local = self._batch_fn(step, layout)
         batch = jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), local)
         return _split_outputs(self.step_fn(layout)(*state, batch), len(state))
@@ -617,7 +668,7 @@ class _Restart:
         """The state at ``step`` over ``mesh`` (every member of the view reads it)."""
         if step == 0:  # step 0 is never saved: it is the fresh state
             return _fresh_state(mesh, *self._template)
-        init_params, tx, init_model_state = self._template
+        init_params, tx, init_model_state, _ = self._template
         return self._checkpoints.restore(init_params, tx, init_model_state, step, mesh)
 
 
@@ -628,7 +679,8 @@ def _begin(attempts, checkpoints, template, num_steps: int, first_step: int, ini
     if attempts.restart is not None:
         attempts.restart.fresh_origin = initial_state is None and first_step == 0
     if checkpoints is not None and _fresh_job(initial_state, first_step, ran):
-        resumed = checkpoints.resume(*template, num_steps)
+        init_params, tx, init_model_state, _ = template
+        resumed = checkpoints.resume(init_params, tx, init_model_state, num_steps)
         if resumed is not None:
             first_step, initial_state = resumed
     state = _start_state(num_steps, first_step, initial_state, ran, template)
@@ -659,7 +711,14 @@ class ElasticLoop:
         e.g. rows chosen by ``layout.row`` or by the process index.
       step_options: more keyword arguments for ``data_parallel_step`` (e.g.
         ``{"specialize": "switch"}``), checked here; donation and overlap are off (a
-        retry needs the state before the step). ``{"has_aux": True}``: each
+        retry needs the state before the step). ``{"fsdp_axes": "local"}``: each
+        process is one replica spanning its devices (HSDP): its params, optimizer
+        and averager state are sharded over them (1/devices of the memory each),
+        its rows of the batch split over them inside the step, and averages (and a
+        joiner's healing, and checkpoints) move each shard across processes only;
+        build ``tx`` for replicas that are processes (e.g. ``post_local_sgd(start,
+        process_group="node", post_local_gradient_allreduce=False)``: the gradients
+        are already the node's mean). ``{"has_aux": True}``: each
         :class:`StepRecord` carries the step's aux. ``{"with_model_state": True}``
         (with ``init_model_state``): the state is ``(params, model_state, opt_state)``.
       init_model_state: the initial model state (e.g. batch-norm statistics; the same
@@ -722,16 +781,19 @@ class ElasticLoop:
         stall_timeout_s, max_failures = _check_loop_args(
             loss_fn, tx, step_options, stall_timeout_s, max_failures, init_model_state
         )
+        inside = _inside(dict(step_options or {}))
         self._checkpoints = None
         if directory is not None and every is not None:
-            self._checkpoints = _elastic_checkpoint.Checkpoints(directory, every)
-        self._template = (init_params, tx, init_model_state)
+            self._checkpoints = _elastic_checkpoint.Checkpoints(directory, every, inside)
+        self._template = (init_params, tx, init_model_state, inside)
         self._work = _TrainWork(
             loss_fn, tx, dict(step_options or {}), batch_fn, self._checkpoints, on_attempt
         )
         self._on_step = on_step
         restart = _Restart(self._checkpoints, self._template) if self._checkpoints else None
-        self._attempts = _attempts.Attempts(self._fresh, stall_timeout_s, max_failures, restart)
+        self._attempts = _attempts.Attempts(
+            self._fresh, stall_timeout_s, max_failures, restart, shard_over=inside
+        )
         self._step = 0
 
     @property

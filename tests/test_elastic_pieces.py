@@ -575,3 +575,85 @@ def test_the_elastic_example_reads_the_digits_scikit_learn_ships():
     want_x, want_y = load_digits(return_X_y=True)
     np.testing.assert_array_equal(x, want_x)
     np.testing.assert_array_equal(y, want_y)
+
+
+# ------------------------------------------- one replica a process (fsdp_axes="local")
+
+
+def fsdp_replicas(mesh, values):
+    """Per-process replicas (one a mesh row), each leaf split over the row's devices as
+    lsgd_jax.replicate(..., axes=("node",), shard_over="local") lays it out."""
+    from lsgd_jax._mesh import replica_spec
+
+    spec = replica_spec(np.shape(values)[1:], mesh, ("node",), ("local",))
+    return jax.device_put(jnp.asarray(values), NamedSharding(mesh, spec))
+
+
+def test_reshard_gives_each_device_the_shard_of_its_new_position_in_its_replica():
+    devs = jax.devices()
+    a = Mesh(np.array(devs).reshape(2, 4), AXES)
+    rows = [devs[4:][::-1], devs[:4][1:] + devs[:1]]  # other row order, other local order
+    b = Mesh(np.array(rows), AXES)
+    w = np.arange(2 * 3 * 8, dtype=np.float32).reshape(2, 3, 8)  # two replicas
+    bias = np.arange(2 * 3, dtype=np.float32).reshape(2, 3)  # 3 does not split: whole
+    x = {"w": fsdp_replicas(a, w), "b": fsdp_replicas(a, bias)}
+    assert x["w"].sharding.spec == P("node", None, "local")
+    y = _heal.reshard(x, b, ("node",), ("local",))
+    assert y["w"].sharding.spec == P("node", None, "local") and y["b"].sharding.spec == P("node")
+    # Replica 0 (row 0 of a) is row 1 of b, and the other way round.
+    np.testing.assert_array_equal(np.asarray(y["w"]), w[::-1])
+    np.testing.assert_array_equal(np.asarray(y["b"]), bias[::-1])
+    # Devices changed positions inside their rows: some now hold another quarter.
+    before = {s.device: s.index for s in x["w"].addressable_shards}
+    moved = [s.device for s in y["w"].addressable_shards if s.index[2] != before[s.device][2]]
+    assert moved, "the test must move shards between devices"
+    for s in y["w"].addressable_shards:  # each device holds its own new quarter
+        np.testing.assert_array_equal(np.asarray(s.data), np.asarray(y["w"])[s.index])
+
+
+def test_heal_moves_each_shard_across_replicas_only():
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), AXES)
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((4, 3, 6)).astype(np.float32)
+    mu = rng.standard_normal((4, 3, 6)).astype(np.float32)
+    count = np.arange(4, dtype=np.int32) + 7
+    params = {"w": fsdp_replicas(mesh, w)}
+    state = {"mu": fsdp_replicas(mesh, mu), "count": fsdp_replicas(mesh, count)}
+    joining = np.array([0, 1, 0, 1], bool)
+    source = np.array([0, 0, 1, 0], bool)
+    flags = [jax.device_put(f, NamedSharding(mesh, P("node"))) for f in (joining, source)]
+    specs = jax.tree.map(lambda v: v.sharding.spec, (params, state))
+    p, s = _heal._heal_program(mesh, ("node",), specs)(params, state, *flags)
+    assert p["w"].sharding.spec == P("node", None, "local")
+    assert p["w"].addressable_shards[0].data.shape == (1, 3, 3)  # half a replica a device
+    want = np.where(joining[:, None, None], w[~joining].mean(0), w)
+    np.testing.assert_allclose(np.asarray(p["w"]), want, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(s["mu"]), np.where(joining[:, None, None], mu[2], mu))
+    np.testing.assert_array_equal(np.asarray(s["count"]), np.where(joining, 9, count))
+
+
+def test_the_loop_takes_fsdp_over_its_local_axis_only():
+    from lsgd_jax import elastic
+
+    tx, params = optax.sgd(0.1), {"w": np.zeros((3, 4), np.float32)}
+    assert elastic._check_loop_args(_loss, tx, {"fsdp_axes": "local"}, None, 3) == (None, 3)
+    for bad in ("node", "fsdp", ("node", "local")):
+        with pytest.raises(ValueError, match=rf"fsdp_axes={re.escape(repr(bad))} is not supp"):
+            ElasticLoop(_loss, tx, params, lambda s, lay: {}, step_options={"fsdp_axes": bad})
+
+
+def test_a_state_of_one_replica_a_process_is_checked_shard_by_shard():
+    from lsgd_jax import elastic
+
+    mesh = Mesh(np.array(jax.local_devices()).reshape(1, -1), AXES)
+    n = len(jax.local_devices())
+    tx, params = optax.adam(0.1), {"w": np.zeros((3, 2 * n), np.float32), "b": np.zeros(3)}
+    sharded = elastic._fresh_state(mesh, params, tx, None, ("local",))
+    assert sharded[0]["w"].addressable_shards[0].data.shape == (1, 3, 2)
+    elastic._check_state(sharded, params, tx, None, ("local",))  # fine
+    whole = elastic._fresh_state(mesh, params, tx, None)
+    elastic._check_state(whole, params, tx, None)
+    with pytest.raises(ValueError, match=r"split over this process's 8 devices \(shards of shape"):
+        elastic._check_state(whole, params, tx, None, ("local",))
+    with pytest.raises(ValueError, match="one replica of shape .* on each of this process's 8"):
+        elastic._check_state(sharded, params, tx, None)
