@@ -227,6 +227,51 @@ def _restarted(restart: Any, view: View, layout: Layout) -> Any:
     return restart.state(layout.mesh, view.step)
 
 
+def adopt(
+    state: Any,
+    step: int,
+    view: View,
+    layout: Layout,
+    new_view: bool,
+    fresh: Callable[[Any], tuple[Any, ...]],
+    inside: tuple[str, ...] = (),
+) -> tuple[Any, int]:
+    """This process's state over the new mesh (healed if anyone joins), and its step.
+
+    Also called on an unchanged membership for a state given from outside (which may
+    sit on another mesh): it is only moved then; who joined was settled before.
+
+    Args:
+      state: ``(params, [model_state,] opt_state)`` over the last mesh (None: none).
+      step: this process's step.
+      view, layout: the membership and its layout.
+      new_view: whether the membership changed.
+      fresh: ``fresh(mesh)``, the state a joiner starts from before it is healed.
+      inside: the FSDP axes inside a replica (``("local",)``: one replica a process).
+
+    Returns:
+      ``(state, step)`` over ``layout.mesh``.
+    """
+    me, axes = jax.process_index(), tuple(a for a in AXES if a not in inside)
+    joining = new_view and me in view.joining
+    if joining or state is None:
+        state, step = fresh(layout.mesh), view.step
+    else:
+        state = tuple(_heal.reshard(x, layout.mesh, axes, inside) for x in state)
+        if new_view and step != view.step:
+            raise RuntimeError(
+                f"lsgd_jax.elastic: process {me} is at step {step} but the survivors "
+                f"are at step {view.step}; this is a bug, please report it."
+            )
+    if new_view and view.joining:
+        # Params and model state (if any) are healed alike: the live replicas' mean.
+        *model, opt_state = state
+        source = min(p for p in view.processes if p not in view.joining)
+        healed = _heal.heal(tuple(model), opt_state, layout.mesh, axes, joining, me == source)
+        state = (*healed[0], healed[1])
+    return state, step
+
+
 # Errors that end this process without being the user's (not posted for the others).
 _NOT_THE_USERS = (CoordinatorLostError, LeftBehindError)
 
@@ -271,7 +316,6 @@ class Attempts:
     ) -> None:
         self._fresh, self._max_failures, self.restart = fresh, max_failures, restart
         self._inside = shard_over
-        self._axes = tuple(a for a in AXES if a not in shard_over)  # the data axes
         self._membership = _membership.Membership(timeout_s=120.0)
         _membership.forget_own_gloo_keys({d.id for d in jax.local_devices()})
         _membership.forget_user_error(jax.process_index())
@@ -284,33 +328,6 @@ class Attempts:
         self.over: int | None = None  # set when this process arrived after the last step
         self._attempted: int | None = None  # the epoch the attempt running now agreed on
         self._failed: int | None = None  # the epoch of the last attempt, if it failed
-
-    def _adopt(self, state, step: int, view: View, layout: Layout, new_view: bool):
-        """This process's state over the new mesh (healed if anyone joins), and its step.
-
-        Also called on an unchanged membership for a state given from outside (which
-        may sit on another mesh): it is only moved then; who joined was settled before.
-        """
-        me = jax.process_index()
-        joining = new_view and me in view.joining
-        if joining or state is None:
-            state, step = self._fresh(layout.mesh), view.step
-        else:
-            state = tuple(_heal.reshard(x, layout.mesh, self._axes, self._inside) for x in state)
-            if new_view and step != view.step:
-                raise RuntimeError(
-                    f"lsgd_jax.elastic: process {me} is at step {step} but the survivors "
-                    f"are at step {view.step}; this is a bug, please report it."
-                )
-        if new_view and view.joining:
-            # Params and model state (if any) are healed alike: the live replicas' mean.
-            *model, opt_state = state
-            source = min(p for p in view.processes if p not in view.joining)
-            healed = _heal.heal(
-                tuple(model), opt_state, layout.mesh, self._axes, joining, me == source
-            )
-            state = (*healed[0], healed[1])
-        return state, step
 
     def _body(self, members, state, step: int, work: Callable[..., Any], label: str):
         """The attempt inside the barrier: agree, adopt, work. Returns ``(out, step, view,
@@ -333,7 +350,7 @@ class Attempts:
         if changed and view.restart:
             state, step = _restarted(self.restart, view, layout), view.step
         elif changed or self.given is not None:
-            state, step = self._adopt(state, step, view, layout, changed)
+            state, step = adopt(state, step, view, layout, changed, self._fresh, self._inside)
         if _membership.newcomer() and self.last_step is not None and step >= self.last_step:
             # A (re)started process met the survivors after their last step (they are
             # at their consensus): it was healed with them, but has no step to run.

@@ -111,7 +111,9 @@ def restore(ckpt, step, replicas):
     import lsgd_jax
 
     init, _, _, tx = example()._model(
-        argparse.Namespace(start=10, period=4, lr=0.1, comm="flat", model_state=False, delay=0)
+        argparse.Namespace(
+            start=10, period=4, lr=0.1, comm="flat", model_state=False, delay=0, fsdp=False
+        )
     )
     mesh = lsgd_jax.make_mesh(1, replicas)
     target = {

@@ -520,7 +520,7 @@ def test_checkpoint_trees_carry_model_state_only_when_the_loop_has_it():
 
 
 def test_a_joiner_gets_the_survivors_mean_model_state_like_the_params():
-    # _adopt heals (params, model_state) as one tree by the mean, opt_state by one source.
+    # adopt heals (params, model_state) as one tree by the mean, opt_state by one source.
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), AXES)
     rng = np.random.default_rng(1)
     w, mean = rng.standard_normal((8, 3)), rng.standard_normal((8, 5))
