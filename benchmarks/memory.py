@@ -1,6 +1,6 @@
 """Memory per device when a replica spans devices (FSDP inside a replica).
 
-Run: python benchmarks/memory.py [--width 128] [--layers 4]
+Run: python benchmarks/memory.py [--width 128] [--layers 4] [--time-steps 40]
 
 On 8 simulated CPU devices: two replicas, each over 1, 2 or 4 devices of an ``"fsdp"``
 axis (meshes (2, 1, k) of ``("node", "local", "fsdp")``), and as HSDP one replica per
@@ -11,6 +11,12 @@ step, a delay of 1 and int8 means with error feedback, so that the averager hold
 buffer it can (anchor, outer momentum, residual, delayed start and mean). Bytes are read
 from the arrays' shards on each device after three training steps (a delayed average
 then in flight): exact, not timed, so the table is the same on any machine.
+
+``--time-steps N`` also times N steps of the 4-device replicas with and without
+``offload_state=True`` (the averages' steps and the others apart, medians, after two
+warm-up steps): what keeping the averager's buffers in host memory costs an average.
+On CPU host and device memory are the same RAM, so this times the copies' bookkeeping,
+not a PCIe transfer; on an accelerator it is the number that matters.
 """
 
 from __future__ import annotations
@@ -102,10 +108,34 @@ def measure(mesh, axes, fsdp, params0, offload=False) -> tuple[float, float, flo
     return per_device(params), per_device(opt_state) - per_device(state), per_device(state)
 
 
+def time_steps(mesh, params0, offload: bool, steps: int) -> tuple[float, float]:
+    """Median seconds of the steps that average (every second one) and of the others."""
+    import time
+
+    tx = chain(offload=offload)
+    params = lsgd_jax.replicate(params0, mesh, shard_over="fsdp")
+    opt_state = lsgd_jax.replicate(tx.init(params0), mesh, shard_over="fsdp")
+    step = lsgd_jax.data_parallel_step(loss_fn, tx, mesh, fsdp_axes="fsdp")
+    batch = {"x": np.arange(64, dtype=np.int32).reshape(16, 4) % 256}
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(steps + 2):
+        (before,) = lsgd_jax.averager_states(opt_state)
+        count = int(np.ravel(before.outer_count)[0])  # read before the step donates it
+        t0 = time.perf_counter()
+        params, opt_state, loss = step(params, opt_state, batch)
+        jax.block_until_ready((params, opt_state, loss))
+        (after,) = lsgd_jax.averager_states(opt_state)
+        averaged = int(np.ravel(after.outer_count)[0]) != count
+        if i >= 2:  # the first steps compile
+            times[averaged].append(time.perf_counter() - t0)
+    return float(np.median(times[True])), float(np.median(times[False]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--time-steps", type=int, default=0, help="also time offload (N steps)")
     args = parser.parse_args()
     params0 = params_of(args.width, args.layers)
     count = sum(x.size for x in jax.tree.leaves(params0))
@@ -128,6 +158,13 @@ def main() -> None:
         base = base or total
         mib = [f"{x / 2**20:.3f}" for x in (p, o, a, total)]
         print(f"| {name} | {k} | " + " | ".join(mib) + f" | {total / base:.3f} |")
+    if args.time_steps:
+        print("\n| (2, 1, 4), fsdp_axes='fsdp' | averaging step (ms) | other step (ms) |")
+        print("|---|---|---|")
+        for offload in (False, True):
+            avg, other = time_steps(mesh, params0, offload, args.time_steps)
+            name = "offload_state=True" if offload else "on the device"
+            print(f"| {name} | {1000 * avg:.1f} | {1000 * other:.1f} |")
 
 
 if __name__ == "__main__":
