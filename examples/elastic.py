@@ -519,7 +519,7 @@ def _model_state_summary(per_replica, consensus) -> dict:
     import numpy as np
 
     spread = max(
-        float(np.max(np.abs(np.asarray(s.data)[0] - consensus[k])))
+        float(np.max(np.abs(np.asarray(s.data)[0] - consensus[k][s.index[1:]])))
         for k, x in per_replica.items()
         for s in x.addressable_shards
     )
