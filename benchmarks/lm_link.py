@@ -82,7 +82,13 @@ def worker(args) -> None:
         decay = (args.steps, args.start, method.period) if args.outer_decay else None
         outer = lm.outer_options(args.outer_lr, args.outer_momentum, decay)
         tx = lm.make_tx(
-            method, steps=args.steps, start=args.start, lr=args.lr, warmup=args.warmup, outer=outer
+            method,
+            steps=args.steps,
+            start=args.start,
+            lr=args.lr,
+            warmup=args.warmup,
+            outer=outer,
+            warmup_bits=args.warmup_bits,
         )
         graphdef, params0 = lm.init_model(cfg, args.seed)
         step = lsgd_jax.data_parallel_step(lm.make_loss_fn(graphdef), tx, mesh)
@@ -193,6 +199,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--outer-lr", type=float, default=0.7, help="diloco's outer step")
     ap.add_argument("--outer-momentum", type=float, default=0.9, help="its momentum")
     ap.add_argument("--outer-decay", action="store_true", help="as examples/lm.py's")
+    ap.add_argument("--warmup-bits", type=int, default=0, choices=[0, 4, 8], help="as lm.py's")
     ap.add_argument("--global-batch", type=int, default=32, help="sequences, over all replicas")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--width", type=int, default=128)

@@ -315,9 +315,12 @@ def make_tx(
     lr: float,
     warmup: int,
     outer: dict[str, Any] | None = None,
+    warmup_bits: int = 0,
 ) -> Any:
     """The optax chain of a method: hook, AdamW (warm-up, cosine decay), averager
-    (DiLoCo's outer step: ``optax.sgd(**outer)``, default :data:`DILOCO_OUTER`)."""
+    (DiLoCo's outer step: ``optax.sgd(**outer)``, default :data:`DILOCO_OUTER`).
+    ``warmup_bits`` (8 or 4; not DDP): the hook's global gradient means before the
+    switch quantized, two-level, with error feedback in the hook's state."""
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1))
     adamw = optax.adamw(schedule, b2=0.99, weight_decay=0.1)
     if method.kind == "ddp":  # the hook never switches: a global gradient mean every step
@@ -328,7 +331,9 @@ def make_tx(
     if method.kind == "diloco":
         options["outer_optimizer"] = optax.sgd(**(outer or DILOCO_OUTER))
     averager = lsgd_jax.PeriodicModelAverager(method.period, warmup_steps=start, **options)
-    return optax.chain(lsgd_jax.post_local_sgd(start), adamw, lsgd_jax.model_averaging(averager))
+    means = lsgd_jax.comm.quantized(warmup_bits, two_level=True) if warmup_bits else None
+    hook = lsgd_jax.post_local_sgd(start, communication=means)
+    return optax.chain(hook, adamw, lsgd_jax.model_averaging(averager))
 
 
 # ----------------------------------------------------------------------------- training
@@ -372,7 +377,15 @@ def train(method: Method, setup: Setup, progress: bool = True) -> dict[str, Any]
     a, cfg = setup.args, setup.model
     decay = (a.steps, a.start, method.period) if a.outer_decay else None
     outer = outer_options(a.outer_lr, a.outer_momentum, decay)
-    tx = make_tx(method, steps=a.steps, start=a.start, lr=a.lr, warmup=a.warmup, outer=outer)
+    tx = make_tx(
+        method,
+        steps=a.steps,
+        start=a.start,
+        lr=a.lr,
+        warmup=a.warmup,
+        outer=outer,
+        warmup_bits=a.warmup_bits,
+    )
     graphdef, params0 = init_model(cfg, a.seed)
     step = lsgd_jax.data_parallel_step(make_loss_fn(graphdef), tx, setup.mesh)
     params = lsgd_jax.replicate(params0, setup.mesh)
@@ -493,6 +506,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="diloco's outer learning rate decays to 0 over its outer steps (cosine)",
     )
     p.add_argument("--warmup", type=int, default=50, help="learning-rate warm-up steps")
+    p.add_argument(
+        "--warmup-bits",
+        type=int,
+        default=0,
+        choices=[0, 4, 8],
+        help="the gradient means before the switch quantized (not DDP's), with error feedback",
+    )
     p.add_argument("--global-batch", type=int, default=32, help="sequences, over 8 replicas")
     for name, default in dataclasses.asdict(ModelConfig()).items():
         p.add_argument(f"--{name}", type=int, default=default)

@@ -125,3 +125,18 @@ def test_the_outer_learning_rate_decays_over_the_outer_steps():
     # ceil(1000 / 32) = 32 outer steps: 0.7 at the first (the switch), 0 after the last
     assert float(decayed(0)) == pytest.approx(0.7) and float(decayed(32)) == 0.0
     assert 0.0 < float(decayed(31)) < 0.01 < float(decayed(16)) < 0.7
+
+
+def test_a_quantized_warm_up_quantizes_the_hook_only_and_not_ddp():
+    lm = load_example("lm")
+    import jax.numpy as jnp
+
+    params = {"w": jnp.zeros((4, 64))}
+    kwargs = {"steps": 20, "start": 8, "lr": 1e-3, "warmup": 2, "warmup_bits": 8}
+    hook = lm.make_tx(lm.parse_method("diloco"), **kwargs).init(params)[0]
+    assert hook.communication.bits == 8 and hook.communication.two_level
+    assert hook.comm_state is not None  # error feedback: the residual in the hook's state
+    ddp = lm.make_tx(lm.parse_method("ddp"), **kwargs).init(params)[0]
+    assert ddp.communication is None and ddp.comm_state is None  # DDP stays the reference
+    plain = lm.make_tx(lm.parse_method("diloco"), **{**kwargs, "warmup_bits": 0})
+    assert plain.init(params)[0].communication is None
