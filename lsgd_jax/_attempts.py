@@ -346,7 +346,7 @@ class Attempts:
             _membership.raise_user_error(sorted(set(self.view.processes) - set(view.processes)))
         layout = self.layout
         if changed or layout is None:
-            layout = _membership.layout_for(view)
+            layout = _membership.layout_for(view, bool(self._inside))
         if changed and view.restart:
             state, step = _restarted(self.restart, view, layout), view.step
         elif changed or self.given is not None:

@@ -228,9 +228,12 @@ class Layout:
     Attributes:
       processes: the live processes, in the order of the mesh's rows (nodes).
       row: this process's row (its position in ``processes``).
-      devices_per_process: devices (replicas) of each process.
+      devices_per_process: devices of each process: its replicas, or with the loop's
+        ``step_options={"fsdp_axes": "local"}`` the devices its one replica spans.
       epoch: the membership's number (0: the first; +1 on every change).
       mesh: the mesh of this membership, axes ``("node", "local")``.
+      replica_spans_process: whether each process is one replica over its devices
+        (``fsdp_axes="local"``).
     """
 
     processes: tuple[int, ...]
@@ -238,13 +241,16 @@ class Layout:
     devices_per_process: int
     epoch: int
     mesh: Mesh
+    replica_spans_process: bool = False
 
     @property
     def num_replicas(self) -> int:
-        return len(self.processes) * self.devices_per_process
+        """The live replicas: one a device, or one a process when a replica spans them."""
+        per_process = 1 if self.replica_spans_process else self.devices_per_process
+        return len(self.processes) * per_process
 
 
-def layout_for(view: View) -> Layout:
+def layout_for(view: View, replica_spans_process: bool = False) -> Layout:
     """This process's :class:`Layout` in ``view``: the mesh of the epoch's device order."""
     import jax
     import numpy as np
@@ -257,7 +263,8 @@ def layout_for(view: View) -> Layout:
     mesh = Mesh(np.array(rows, dtype=object), ("node", "local"))
     me = jax.process_index()
     row = next(i for i, r in enumerate(rows) if r[0].process_index == me)
-    return Layout(tuple(r[0].process_index for r in rows), row, len(rows[0]), view.epoch, mesh)
+    processes = tuple(r[0].process_index for r in rows)
+    return Layout(processes, row, len(rows[0]), view.epoch, mesh, replica_spans_process)
 
 
 def _key(members: tuple[tuple[int, int], ...]) -> str:

@@ -707,8 +707,9 @@ class ElasticLoop:
       init_params: the initial params (the same on every process); a joining process
         uses them only for their shapes.
       batch_fn: ``batch_fn(step, layout) -> tree`` of this process's rows of the global
-        batch of ``step`` (``layout.devices_per_process`` times the rows per replica),
-        e.g. rows chosen by ``layout.row`` or by the process index.
+        batch of ``step`` (``layout.devices_per_process`` times the rows per replica;
+        with ``fsdp_axes="local"`` its one replica's rows), e.g. rows chosen by
+        ``layout.row`` or by the process index.
       step_options: more keyword arguments for ``data_parallel_step`` (e.g.
         ``{"specialize": "switch"}``), checked here; donation and overlap are off (a
         retry needs the state before the step). ``{"fsdp_axes": "local"}``: each

@@ -657,3 +657,9 @@ def test_a_state_of_one_replica_a_process_is_checked_shard_by_shard():
         elastic._check_state(whole, params, tx, None, ("local",))
     with pytest.raises(ValueError, match="one replica of shape .* on each of this process's 8"):
         elastic._check_state(sharded, params, tx, None)
+
+
+def test_a_layout_counts_a_process_as_one_replica_when_the_replica_spans_it():
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), AXES)
+    assert _membership.Layout((0, 1), 0, 4, 0, mesh).num_replicas == 8
+    assert _membership.Layout((0, 1), 0, 4, 0, mesh, True).num_replicas == 2
