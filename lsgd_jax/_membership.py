@@ -245,7 +245,8 @@ class Layout:
 
     @property
     def num_replicas(self) -> int:
-        """The live replicas: one a device, or one a process when a replica spans them."""
+        """How many live replicas there are (one a device, or one a process whose devices
+        one replica spans)."""
         per_process = 1 if self.replica_spans_process else self.devices_per_process
         return len(self.processes) * per_process
 

@@ -140,3 +140,19 @@ def test_a_quantized_warm_up_quantizes_the_hook_only_and_not_ddp():
     assert ddp.communication is None and ddp.comm_state is None  # DDP stays the reference
     plain = lm.make_tx(lm.parse_method("diloco"), **{**kwargs, "warmup_bits": 0})
     assert plain.init(params)[0].communication is None
+
+
+def test_on_gpu_tabulates_the_lines_lm_prints(records):
+    # benchmarks/on_gpu.py has never run on a GPU here: its table of examples/lm.py's
+    # JSON lines is checked against the lines lm.py really writes.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("on_gpu", ROOT / "benchmarks" / "on_gpu.py")
+    on_gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(on_gpu)
+    lines = [json.dumps({k: v for k, v in r.items() if k != "history"}) for r in records.values()]
+    table = on_gpu.lm_table("\n".join(["a log line", *lines])).splitlines()
+    assert len(table) == 2 + len(records)
+    for row, name in zip(table[2:], records):
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[0] == name and float(cells[1]) > 0 and float(cells[3]) > 0, row
