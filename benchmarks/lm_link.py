@@ -81,15 +81,7 @@ def worker(args) -> None:
         method = lm.parse_method(spec)
         decay = (args.steps, args.start, method.period) if args.outer_decay else None
         outer = lm.outer_options(args.outer_lr, args.outer_momentum, decay)
-        tx = lm.make_tx(
-            method,
-            steps=args.steps,
-            start=args.start,
-            lr=args.lr,
-            warmup=args.warmup,
-            outer=outer,
-            warmup_bits=args.warmup_bits,
-        )
+        tx = lm.tx_of_args(method, args, outer)
         graphdef, params0 = lm.init_model(cfg, args.seed)
         step = lsgd_jax.data_parallel_step(lm.make_loss_fn(graphdef), tx, mesh)
         data = lm.batches(corpus.train, args.global_batch, cfg.context, args.seed)

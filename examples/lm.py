@@ -336,6 +336,20 @@ def make_tx(
     return optax.chain(hook, adamw, lsgd_jax.model_averaging(averager))
 
 
+def tx_of_args(method: Method, args: Any, outer: dict[str, Any] | None) -> Any:
+    """:func:`make_tx` from the command line's ``--steps --start --lr --warmup
+    --warmup-bits`` (this script's and benchmarks/lm_link.py's)."""
+    return make_tx(
+        method,
+        steps=args.steps,
+        start=args.start,
+        lr=args.lr,
+        warmup=args.warmup,
+        outer=outer,
+        warmup_bits=args.warmup_bits,
+    )
+
+
 # ----------------------------------------------------------------------------- training
 
 
@@ -377,15 +391,7 @@ def train(method: Method, setup: Setup, progress: bool = True) -> dict[str, Any]
     a, cfg = setup.args, setup.model
     decay = (a.steps, a.start, method.period) if a.outer_decay else None
     outer = outer_options(a.outer_lr, a.outer_momentum, decay)
-    tx = make_tx(
-        method,
-        steps=a.steps,
-        start=a.start,
-        lr=a.lr,
-        warmup=a.warmup,
-        outer=outer,
-        warmup_bits=a.warmup_bits,
-    )
+    tx = tx_of_args(method, a, outer)
     graphdef, params0 = init_model(cfg, a.seed)
     step = lsgd_jax.data_parallel_step(make_loss_fn(graphdef), tx, setup.mesh)
     params = lsgd_jax.replicate(params0, setup.mesh)

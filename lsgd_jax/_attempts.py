@@ -32,6 +32,18 @@ logger = logging.getLogger("lsgd_jax.elastic")
 AXES = ("node", "local")
 
 
+def data_axes(inside: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The loop's data axes: ``AXES``, or ``("node",)`` when a replica spans a process's
+    devices (``inside == ("local",)``, FSDP over them).
+
+    Example:
+      >>> from lsgd_jax._attempts import data_axes
+      >>> data_axes(), data_axes(("local",))
+      (('node', 'local'), ('node',))
+    """
+    return tuple(a for a in AXES if a not in inside)
+
+
 def _end_process(label: str) -> None:
     os._exit(75)
 
@@ -252,7 +264,7 @@ def adopt(
     Returns:
       ``(state, step)`` over ``layout.mesh``.
     """
-    me, axes = jax.process_index(), tuple(a for a in AXES if a not in inside)
+    me, axes = jax.process_index(), data_axes(inside)
     joining = new_view and me in view.joining
     if joining or state is None:
         state, step = fresh(layout.mesh), view.step

@@ -43,6 +43,7 @@ from jax.sharding import Mesh
 from lsgd_jax import _checkpoint, _validate
 from lsgd_jax import _checkpoint_config as _config
 from lsgd_jax import _checkpoint_files as _files
+from lsgd_jax._attempts import data_axes
 
 logger = logging.getLogger("lsgd_jax.elastic")
 
@@ -255,10 +256,9 @@ class Checkpoints:
         from lsgd_jax._mesh import replicate
 
         inside = self.shard_over
-        axes = tuple(a for a in mesh.axis_names if a not in inside)
 
         def place(tree):
-            return replicate(tree, mesh, axes, shard_over=inside or None)
+            return replicate(tree, mesh, data_axes(inside), shard_over=inside or None)
 
         target = {"params": place(init_params), "opt_state": place(tx.init(init_params))}
         if init_model_state is not None:

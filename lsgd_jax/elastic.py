@@ -368,7 +368,7 @@ def _check_state(
         like = (init_params, init_model_state, like[1])
     devices = set(jax.local_devices())
     mine = Mesh(np.array(jax.local_devices()).reshape(1, -1), _attempts.AXES)
-    axes = _data_axes(inside)
+    axes = _attempts.data_axes(inside)
 
     def shard_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
         spec = replica_spec(shape, mine, axes, inside)
@@ -519,7 +519,8 @@ def _check_loop_args(
     _check_stall_against_timeouts(stall)
     failures = _validate.positive_int(max_failures, "ElasticLoop: max_failures")
     one = Mesh(np.array(jax.local_devices()[:1]).reshape(1, 1), _attempts.AXES)
-    data_parallel_step(loss_fn, tx, one, axes=_data_axes(_inside(options)), donate=False, **options)
+    axes = _attempts.data_axes(_inside(options))
+    data_parallel_step(loss_fn, tx, one, axes=axes, donate=False, **options)
     return stall, failures
 
 
@@ -558,18 +559,12 @@ def _fresh_state(
     from lsgd_jax._mesh import replicate
 
     def place(tree):
-        return replicate(tree, mesh, _data_axes(inside), shard_over=inside or None)
+        return replicate(tree, mesh, _attempts.data_axes(inside), shard_over=inside or None)
 
     fresh = (place(init_params), place(tx.init(init_params)))
     if init_model_state is None:
         return fresh
     return fresh[0], place(init_model_state), fresh[1]
-
-
-def _data_axes(inside: tuple[str, ...]) -> tuple[str, ...]:
-    """The loop's data axes: ``("node", "local")``, or ``("node",)`` when a replica
-    spans a process's devices (``inside == ("local",)``)."""
-    return tuple(a for a in _attempts.AXES if a not in inside)
 
 
 def _inside(options: dict[str, Any]) -> tuple[str, ...]:
@@ -619,7 +614,7 @@ class _TrainWork:
         self._loss_fn, self._tx, self._options = loss_fn, tx, options
         self._batch_fn, self._checkpoints, self._on_attempt = batch_fn, checkpoints, on_attempt
         self._steps: dict[tuple[int, ...], Any] = {}
-        self._axes = _data_axes(_inside(options))
+        self._axes = _attempts.data_axes(_inside(options))
 
     def step_fn(self, layout: Layout):
         from lsgd_jax._step import data_parallel_step
