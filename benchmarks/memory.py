@@ -95,13 +95,22 @@ def per_device(tree) -> float:
     return max(out.values())
 
 
-def measure(mesh, axes, fsdp, params0, offload=False) -> tuple[float, float, float]:
-    """Per-device bytes of params, Adam's state and the averager's, after three steps."""
+BATCH = {"x": np.arange(64, dtype=np.int32).reshape(16, 4) % 256}
+
+
+def training(mesh, axes, fsdp, params0, offload=False) -> tuple:
+    """``(step, params, opt_state)`` of :func:`chain` laid out over ``mesh``."""
     tx = chain(hsdp=axes == ("node",), offload=offload)
     params = lsgd_jax.replicate(params0, mesh, axes, shard_over=fsdp)
     opt_state = lsgd_jax.replicate(tx.init(params0), mesh, axes, shard_over=fsdp)
     step = lsgd_jax.data_parallel_step(loss_fn, tx, mesh, axes=axes, fsdp_axes=fsdp)
-    batch = {"x": np.arange(64, dtype=np.int32).reshape(16, 4) % 256}
+    return step, params, opt_state
+
+
+def measure(mesh, axes, fsdp, params0, offload=False) -> tuple[float, float, float]:
+    """Per-device bytes of params, Adam's state and the averager's, after three steps."""
+    step, params, opt_state = training(mesh, axes, fsdp, params0, offload)
+    batch = BATCH
     for _ in range(3):
         params, opt_state, _ = step(params, opt_state, batch)
     (state,) = lsgd_jax.averager_states(opt_state)
@@ -112,11 +121,8 @@ def time_steps(mesh, params0, offload: bool, steps: int) -> tuple[float, float]:
     """Median seconds of the steps that average (every second one) and of the others."""
     import time
 
-    tx = chain(offload=offload)
-    params = lsgd_jax.replicate(params0, mesh, shard_over="fsdp")
-    opt_state = lsgd_jax.replicate(tx.init(params0), mesh, shard_over="fsdp")
-    step = lsgd_jax.data_parallel_step(loss_fn, tx, mesh, fsdp_axes="fsdp")
-    batch = {"x": np.arange(64, dtype=np.int32).reshape(16, 4) % 256}
+    step, params, opt_state = training(mesh, None, "fsdp", params0, offload)
+    batch = BATCH
     times: dict[bool, list[float]] = {True: [], False: []}
     for i in range(steps + 2):
         (before,) = lsgd_jax.averager_states(opt_state)

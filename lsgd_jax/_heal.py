@@ -61,20 +61,19 @@ def reshard(tree: Any, mesh: Mesh, axes: tuple[str, ...], inside: tuple[str, ...
         shape = (n, *x.shape[1:])
         sharding = NamedSharding(mesh, replica_spec(x.shape[1:], mesh, axes, inside))
         wanted = sharding.addressable_devices_indices_map(shape)
-        old = {s.device: s for s in x.addressable_shards}
+        old = {s.device: _bounds(s.index, x.shape) for s in x.addressable_shards}
+        data = {s.device: s.data for s in x.addressable_shards}
         local = []
         for d in sharding.addressable_devices:
-            replica = _bounds(old[d].index[:1], x.shape[:1])  # the replica d holds
             index = wanted[d]
             assert index is not None  # an addressable device's
-            inner = _bounds(index[1:], shape[1:])
-            held = next(
-                s
-                for s in old.values()
-                if _bounds(s.index[:1], x.shape[:1]) == replica
-                and _bounds(s.index[1:], x.shape[1:]) == inner
-            )
-            local.append(held.data if held.device == d else jax.device_put(held.data, d))
+            # d keeps its replica; the slice inside it is the one of its new position
+            want = old[d][:1] + _bounds(index[1:], shape[1:])
+            if old[d] == want:  # d holds it already (always, with whole leaves)
+                local.append(data[d])
+                continue
+            held = next(e for e, b in old.items() if b == want)
+            local.append(jax.device_put(data[held], d))
         return jax.make_array_from_single_device_arrays(shape, sharding, local)
 
     return jax.tree.map(one, tree)

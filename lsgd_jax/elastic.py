@@ -610,11 +610,11 @@ class _TrainWork:
     this process's rows, and the step program of the membership's mesh (built once per
     device order and kept with its compiled programs)."""
 
-    def __init__(self, loss_fn, tx, options, batch_fn, checkpoints, on_attempt) -> None:
+    def __init__(self, loss_fn, tx, options, batch_fn, checkpoints, on_attempt, inside) -> None:
         self._loss_fn, self._tx, self._options = loss_fn, tx, options
         self._batch_fn, self._checkpoints, self._on_attempt = batch_fn, checkpoints, on_attempt
         self._steps: dict[tuple[int, ...], Any] = {}
-        self._axes = _attempts.data_axes(_inside(options))
+        self._axes = _attempts.data_axes(inside)
 
     def step_fn(self, layout: Layout):
         from lsgd_jax._step import data_parallel_step
@@ -777,13 +777,14 @@ class ElasticLoop:
         stall_timeout_s, max_failures = _check_loop_args(
             loss_fn, tx, step_options, stall_timeout_s, max_failures, init_model_state
         )
-        inside = _inside(dict(step_options or {}))
+        options = dict(step_options or {})
+        inside = _inside(options)
         self._checkpoints = None
         if directory is not None and every is not None:
             self._checkpoints = _elastic_checkpoint.Checkpoints(directory, every, inside)
         self._template = (init_params, tx, init_model_state, inside)
         self._work = _TrainWork(
-            loss_fn, tx, dict(step_options or {}), batch_fn, self._checkpoints, on_attempt
+            loss_fn, tx, options, batch_fn, self._checkpoints, on_attempt, inside
         )
         self._on_step = on_step
         restart = _Restart(self._checkpoints, self._template) if self._checkpoints else None
