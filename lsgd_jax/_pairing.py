@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from lsgd_jax import _collectives
+from lsgd_jax import _chain_order, _collectives
 from lsgd_jax._averager_state import ModelAveragerState
 from lsgd_jax._hook import DEFAULT_SUBGROUP
 from lsgd_jax._state import PostLocalSGDState
@@ -40,12 +40,21 @@ def _redundant_levels(hook: PostLocalSGDState, averager: Any) -> list[Any]:
     return [g for g in averager.groups if g is not None and _collectives.group_covers(g, subgroup)]
 
 
-def check_configuration(opt_state: Any) -> None:
+def check_configuration(opt_state: Any, *, check_order: bool = True) -> None:
     """Checks how the post-local SGD pieces of an optimizer state fit together.
 
     Raises when ``model_averaging`` (or ``post_local_sgd_optimizer``) comes before
     ``post_local_sgd`` in the chain: the averager would then turn the raw gradients into
-    updates that the hook and the optimizer rescale, so no average would land. Warns,
+    updates that the hook and the optimizer rescale, so no average would land. With
+    ``check_order`` (the default) it also raises when anything comes before the hook in
+    its chain (an optimizer there would average its updates instead of the gradients,
+    and each replica's moments would drift apart; a clip there would clip each
+    replica's raw gradients instead of their mean) or after the model averaging (what
+    comes after it rescales the updates that move the replicas to the mean, so no
+    average lands). Nested chains, ``optax.named_chain`` and wrappers such as
+    ``optax.MultiSteps``, ``inject_hyperparams`` or ``apply_if_finite`` are seen
+    through: the hook must be first and the averaging last in every chain that holds
+    them. Warns,
     once per configuration, when an averager's ``warmup_steps`` differs from the hook's
     ``start_localSGD_iter`` (PyTorch's pairing sets them equal), and when an averaging
     level's group lies inside the subgroup over which the hook keeps averaging gradients
@@ -59,18 +68,32 @@ def check_configuration(opt_state: Any) -> None:
     Args:
       opt_state: an optax state holding PostLocalSGDState / ModelAveragerState nodes
         (per-replica or not).
+      check_order: whether to refuse a hook that is not first, or a model averaging
+        that is not last, in its chain. Pass False only for an order you compose on
+        purpose (e.g. a transformation after the averaging that you know leaves the
+        updates alone); an averager before the hook is refused either way.
 
     Returns:
       None.
 
     Raises:
-      ValueError: a model averager comes before the hook in the chain.
+      ValueError: a model averager comes before the hook in the chain; or, with
+        ``check_order``, the hook is not first or the averaging not last, with the
+        order found and the order wanted.
 
     Example:
       >>> import optax, lsgd_jax
       >>> tx = optax.chain(lsgd_jax.post_local_sgd(8), optax.sgd(0.1),
       ...     lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(4, warmup_steps=8)))
       >>> lsgd_jax.check_configuration(tx.init({}))
+
+      The optimizer before the hook would average Adam's updates, not the gradients:
+
+      >>> bad = optax.chain(optax.adam(1e-3), lsgd_jax.post_local_sgd(8))
+      >>> lsgd_jax.check_configuration(bad.init({}))
+      Traceback (most recent call last):
+      ...
+      ValueError: post_local_sgd must come first in the optax.chain, but it sits at position 1 ...
     """
     nodes = _nodes(opt_state)
     hooks = [(i, x) for i, x in enumerate(nodes) if isinstance(x, PostLocalSGDState)]
@@ -87,6 +110,8 @@ def check_configuration(opt_state: Any) -> None:
             "and model_averaging (or post_local_sgd_optimizer) last: optax.chain("
             "lsgd_jax.post_local_sgd(...), optimizer, lsgd_jax.model_averaging(...))."
         )
+    if check_order:
+        _chain_order.check(opt_state)
     for _, hook in hooks:
         for _, averager in averagers:
             name = type(averager).__name__

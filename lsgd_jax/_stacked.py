@@ -21,11 +21,16 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from lsgd_jax import _preflight, _validate
 from lsgd_jax._mesh import data_axes
 
 
 def stacked(
-    tx: optax.GradientTransformation, mesh: Mesh, axes: Sequence[str] | None = None
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    axes: Sequence[str] | None = None,
+    *,
+    check_order: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     """``tx`` for stacked per-replica trees, to call under plain ``jax.jit``.
 
@@ -43,6 +48,10 @@ def stacked(
         model_averaging(...))``.
       mesh: the mesh; its data axes index the replicas.
       axes: the data-parallel axes; default :func:`data_axes` of ``mesh``.
+      check_order: refuse a chain whose ``post_local_sgd`` is not first or whose
+        ``model_averaging`` is not last (see :func:`check_configuration`). Like
+        :func:`data_parallel_step`, it checks when it is built, before the first step,
+        the chain's order and every phase the optimizer will run on this mesh.
 
     Returns:
       An optax.GradientTransformationExtraArgs on stacked trees.
@@ -59,6 +68,7 @@ def stacked(
       Array([-1.75, -1.75, -1.75, -1.75, -1.75, -1.75, -1.75, -1.75], dtype=float32)
     """
     axes = tuple(axes) if axes is not None else data_axes(mesh)
+    _preflight.check_tx(tx, mesh, axes, "stacked", _validate.boolean(check_order, "check_order"))
     rep = P(axes)
     manual = frozenset(axes)
     kwargs: dict[str, Any] = {} if manual == frozenset(mesh.axis_names) else {"axis_names": manual}

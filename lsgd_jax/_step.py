@@ -21,7 +21,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from lsgd_jax import _fsdp, _step_inputs, _step_program, _validate
+from lsgd_jax import _fsdp, _preflight, _step_inputs, _step_program, _validate
 from lsgd_jax._mesh import _num_replicas, data_axes
 from lsgd_jax._phase_plan import PhasePlan
 from lsgd_jax._step_program import MAX_PHASES, StepSpec, averager_states
@@ -47,6 +47,7 @@ def data_parallel_step(
     compile_ahead: int = 4,
     fsdp_axes: str | Sequence[str] | None = None,
     compiler_options: Mapping[str, Any] | None = None,
+    check_order: bool = True,
 ) -> DataParallelStep:
     """A jitted, donated ``shard_map`` training step over per-replica params and state.
 
@@ -168,6 +169,16 @@ def data_parallel_step(
         or processes whose step counters differ fail with an error instead of hanging
         in a collective. It waits for the previous step (and, with several processes,
         is a small collective). None: never.
+      check_order: refuse a chain whose ``post_local_sgd`` is not first or whose
+        ``model_averaging`` is not last (see :func:`check_configuration`); False for an
+        order composed on purpose.
+
+    What the step checks when it is built, before the first step: the chain's order,
+    and every phase the optimizer will run (the warm-up, the node-local means after
+    the switch, each averaging level), traced on this mesh: an axis a later phase needs
+    and the mesh lacks is an error now, naming the phase and the fix, not at step
+    10,000. A mesh with Explicit axes (``jax.make_mesh``'s default) works: the step
+    puts the batch onto the data axes itself.
 
     With several processes (one per node, see :func:`make_mesh`), every process calls
     the step with the same arguments: params and optimizer state from :func:`replicate`
@@ -229,9 +240,21 @@ def data_parallel_step(
             "yourself and leave it to the compiler."
         )
     options = _step_inputs.check_compiler_options(compiler_options)
+    check_order = _validate.boolean(check_order, "data_parallel_step: check_order")
     spec = StepSpec(
-        loss_fn, tx, mesh, axes, has_aux, with_model_state, donate, lowering, fsdp, options
+        loss_fn,
+        tx,
+        mesh,
+        axes,
+        has_aux,
+        with_model_state,
+        donate,
+        lowering,
+        fsdp,
+        options,
+        check_order,
     )
+    _step_program.check_when_built(spec)
     return DataParallelStep(
         spec,
         specialize=specialize,
@@ -379,6 +402,7 @@ class DataParallelStep(_AheadOfTime):
         self._spec = spec
         self._mesh_processes = len({d.process_index for d in spec.mesh.devices.flat})
         self._replicas = _num_replicas(spec.mesh, spec.axes)
+        self._explicit = bool(_preflight.explicit_axes(spec.mesh, spec.axes))
         self.with_model_state = spec.with_model_state
         self.has_aux = spec.has_aux
         self._specialize = specialize
@@ -417,9 +441,12 @@ class DataParallelStep(_AheadOfTime):
                 "arguments."
             )
         if self.with_model_state:
-            return args
-        params, opt_state, batch = args
-        return params, None, opt_state, batch
+            params, model_state, opt_state, batch = args
+        else:
+            (params, opt_state, batch), model_state = args, None
+        if self._explicit:  # shard_map needs its inputs' shardings to be its in_specs
+            batch = _step_inputs.place_batch(batch, self._spec.mesh, self._spec.axes)
+        return params, model_state, opt_state, batch
 
     def _check(self, params: Any, model_state: Any, opt_state: Any) -> None:
         spec, n = self._spec, self._replicas

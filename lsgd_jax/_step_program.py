@@ -27,7 +27,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lsgd_jax import _collectives, _fsdp, _outer, _pairing, _phase
+from lsgd_jax import _collectives, _fsdp, _outer, _pairing, _phase, _preflight
 from lsgd_jax._averager_state import ModelAveragerState
 from lsgd_jax._mesh import _num_replicas
 
@@ -54,9 +54,9 @@ def averager_states(opt_state: Any) -> list[ModelAveragerState]:
     return [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
 
 
-def check_optimizer(opt_state: Any) -> None:
+def check_optimizer(opt_state: Any, check_order: bool = True) -> None:
     """How the chain's pieces fit (see check_configuration), and a chain without a hook."""
-    _pairing.check_configuration(opt_state)
+    _pairing.check_configuration(opt_state, check_order=check_order)
     if not _pairing.has_hook(opt_state) and averager_states(opt_state):
         raise ValueError(
             "data_parallel_step: the optimizer averages models but has no post_local_sgd "
@@ -65,6 +65,18 @@ def check_optimizer(opt_state: Any) -> None:
             "start_localSGD_iter) first in the chain; for local SGD without any gradient "
             "averaging, lsgd_jax.post_local_sgd(0, post_local_gradient_allreduce=False)."
         )
+
+
+def check_when_built(spec: StepSpec) -> None:
+    """What can be checked before the first step, from ``tx`` alone (``_preflight``):
+    the chain's order, every phase's groups and collectives on the mesh, and a chain
+    that averages models without a hook. A ``tx`` whose init needs the real params'
+    structure is checked when the step first traces.
+    """
+    what = "data_parallel_step"
+    probe_state = _preflight.check_tx(spec.tx, spec.mesh, spec.axes, what, spec.check_order)
+    if probe_state is not None:
+        check_optimizer(probe_state, spec.check_order)
 
 
 def _average_like_params(model_state: Any, opt_state: Any, new_opt_state: Any) -> Any:
@@ -118,6 +130,7 @@ class StepSpec:
     lowering: str = "shard_map"
     fsdp_axes: tuple[str, ...] = ()
     compiler_options: tuple[tuple[str, Any], ...] = ()  # jax.jit's, as sorted items
+    check_order: bool = True  # refuse a hook not first / an averaging not last
 
     def gradients(self, params: Any, model_state: Any, batch: Any) -> tuple:
         """``(loss, aux, grads, new model state)`` of this replica's loss.
@@ -203,7 +216,7 @@ def _replica_body(spec: StepSpec, mode: int | str, work: Callable[..., tuple]) -
         params, model_state, opt_state = jax.tree.map(
             lambda x: x[0], (params, model_state, opt_state)
         )
-        check_optimizer(opt_state)
+        check_optimizer(opt_state, spec.check_order)
         operands = (params, model_state, opt_state, *rest)
         n = _phase.num_phases(opt_state)
         ok = jnp.ones([], bool)
@@ -267,7 +280,11 @@ def program(spec: StepSpec, mode: int | str) -> Any:
     def step(params, model_state, opt_state, batch):
         n = _num_replicas(spec.mesh, spec.axes)
         per_replica = jax.tree.map(lambda x: x.reshape(n, -1, *x.shape[1:]), batch)
-        per_replica = jax.lax.with_sharding_constraint(per_replica, NamedSharding(spec.mesh, rep))
+        replicas = NamedSharding(spec.mesh, rep)
+        if _preflight.explicit_axes(spec.mesh, spec.axes):  # sharding in the types
+            per_replica = jax.sharding.reshard(per_replica, replicas)
+        else:
+            per_replica = jax.lax.with_sharding_constraint(per_replica, replicas)
         loss, aux, grads, model_state = jax.vmap(spec.gradients)(params, model_state, per_replica)
         return mapped_update(params, model_state, opt_state, grads, loss, aux)
 

@@ -143,7 +143,8 @@ def test_step_options_are_checked():
         lsgd_jax.data_parallel_step(loss, tx, mesh, has_aux=None)
     with pytest.raises(ValueError, match=r"not \['nodes'\]"):  # a name, not its letters
         lsgd_jax.data_parallel_step(loss, tx, mesh, axes="nodes")
-    assert lsgd_jax.data_parallel_step(loss, tx, mesh, axes="node")._spec.axes == ("node",)
+    ddp = optax.sgd(0.1)  # the hook's node-local mean needs "local" among the data axes
+    assert lsgd_jax.data_parallel_step(loss, ddp, mesh, axes="node")._spec.axes == ("node",)
     with pytest.warns(DeprecationWarning, match="overlap=True is deprecated"):
         lsgd_jax.data_parallel_step(loss, tx, mesh, overlap=True)
 
@@ -243,12 +244,9 @@ def test_a_chain_without_the_hook_is_ddp():
 def test_an_averager_without_the_hook_is_refused():
     mesh = mesh_2x4()
     tx = optax.chain(optax.sgd(0.1), lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(4)))
-    p0 = {"w": jnp.zeros((4, 1))}
-    step = lsgd_jax.data_parallel_step(quadratic_loss, tx, mesh)
-    p, s = lsgd_jax.replicate(p0, mesh), lsgd_jax.replicate(tx.init(p0), mesh)
     fix = r"post_local_sgd\(0, post_local_gradient_allreduce=False\)"
-    with pytest.raises(ValueError, match=fix):
-        step(p, s, quadratic_batch(0))
+    with pytest.raises(ValueError, match=fix):  # when the step is built
+        lsgd_jax.data_parallel_step(quadratic_loss, tx, mesh)
 
 
 def test_model_state_under_multisteps_averages_only_on_emitting_mini_steps():
