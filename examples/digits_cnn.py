@@ -433,6 +433,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     setup_cpu_devices(8)
+    lsgd_jax.use_compilation_cache()  # a rerun loads its programs instead of compiling
 
     mesh = lsgd_jax.make_mesh(num_nodes=2, devices_per_node=4)
     data = load_digits(args.seed)

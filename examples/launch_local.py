@@ -66,6 +66,9 @@ def worker(args) -> None:
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", args.devices)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    import lsgd_jax
+
+    lsgd_jax.use_compilation_cache()  # a restarted worker loads its programs
     jax.distributed.initialize(
         coordinator_address=f"127.0.0.1:{args.port}",
         num_processes=args.processes,
@@ -78,8 +81,6 @@ def worker(args) -> None:
     import optax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-
-    import lsgd_jax
 
     me = jax.process_index()
     mesh = lsgd_jax.make_mesh(args.nodes)  # default (processes, devices): a node per process

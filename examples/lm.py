@@ -554,6 +554,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     setup_cpu_devices(args.nodes * args.per_node, args.platform)
+    lsgd_jax.use_compilation_cache()  # a rerun loads its programs instead of compiling
     specs = args.compare.split(",") if args.compare else [args.method]
     methods = [parse_method(s, args.period, args.bits, args.delay) for s in specs]
     model = ModelConfig(args.layers, args.width, args.heads, args.context)

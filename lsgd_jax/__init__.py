@@ -48,6 +48,7 @@ from lsgd_jax._checkpoint_files import UnreadableCheckpointError
 from lsgd_jax._sync import ReplicasOutOfSyncError
 from lsgd_jax._sync import assert_replicas_in_sync
 from lsgd_jax._sync import step_counters
+from lsgd_jax._compile_cache import use_compilation_cache
 
 __version__ = "0.1.0"
 
@@ -95,4 +96,5 @@ __all__ = [
     "stacked",
     "step_counters",
     "unreplicate",
+    "use_compilation_cache",
 ]

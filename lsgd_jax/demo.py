@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     import lsgd_jax
 
+    lsgd_jax.use_compilation_cache()  # a rerun loads its programs instead of compiling
     mesh = lsgd_jax.make_mesh(num_nodes=2, devices_per_node=4)
     data = _teacher_data(args.steps * _PER_REPLICA * mesh.devices.size + 4096, args.seed)
     rows = [_run("DDP (global every step)", None, 0, mesh, data, args)]

@@ -61,6 +61,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lsgd_jax import _attempts, _elastic_checkpoint, _membership, _validate
+from lsgd_jax._compile_cache import use_compilation_cache
 from lsgd_jax._membership import CoordinatorLostError, Layout, LeftBehindError
 
 logger = logging.getLogger("lsgd_jax.elastic")
@@ -104,6 +105,7 @@ def initialize(
     collective_timeout_s: int = 5,
     initialization_timeout_s: int = 60,
     external_coordinator: bool = False,
+    compilation_cache: str | bool = True,
 ) -> None:
     """``jax.distributed.initialize`` for an elastic run; call it before any JAX work.
 
@@ -130,6 +132,12 @@ def initialize(
         trainers, stopped after them): no trainer hosts it, so any trainer, process 0
         included, may die and come back. Process 0 then binds JAX's own (unused)
         service to a free port of 127.0.0.1.
+      compilation_cache: keep compiled programs on disk, so that a restarted or
+        rejoining process loads the programs it compiled before instead of compiling
+        them again (see :func:`lsgd_jax.use_compilation_cache`): True (default) for
+        ``$LSGD_JAX_COMPILATION_CACHE`` or ``~/.cache/lsgd_jax/jax-compilation-cache``
+        (a folder JAX already uses is kept), a path for that folder, False to leave
+        JAX's settings alone.
 
     Returns:
       None.
@@ -162,6 +170,11 @@ def initialize(
         raise TypeError(
             f"initialize: external_coordinator must be True or False, got {external_coordinator!r}."
         )
+    if not isinstance(compilation_cache, (str, os.PathLike, bool)):
+        raise TypeError(
+            "initialize: compilation_cache must be True, False or a folder's path, got "
+            f"{compilation_cache!r}."
+        )
     if _compat.backends_are_initialized():
         raise RuntimeError(
             "lsgd_jax.elastic.initialize: JAX's backend is already running, so its "
@@ -179,6 +192,8 @@ def initialize(
         heartbeat=heartbeat_timeout_s, collective=collective_timeout_s, processes=num_processes
     )
     jax.config.update("jax_enable_recoverability", True)
+    if compilation_cache is not False:
+        use_compilation_cache(None if compilation_cache is True else compilation_cache)
     if platform == "cpu":
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
