@@ -177,6 +177,15 @@ def communication_ledger(
     one-time copy of a common anchor before the first global average (scope
     ``common_anchor``), which is left out.
 
+    What it costs: the compiles of those programs, as ``step.compile(..., num_steps=
+    num_steps)`` (it is that compile), and nothing more. Called before training, it
+    is the compile the training would have done: the calls that follow compile
+    nothing (measured on a 32-leaf MLP, 3 phases, 8 CPU devices: 3.8 s of ledger, then
+    12 steps in 0.3 s, against 4.7 s for the 12 steps alone). Called after training,
+    it reads the programs training compiled (0.2 s). With ``specialize="switch"`` or
+    ``False`` it compiles each phase's program besides the step's one (to charge each
+    call its own branch).
+
     Args:
       step: a step from :func:`data_parallel_step`.
       *args: its arguments for the first of those calls, e.g. ``(params, opt_state,

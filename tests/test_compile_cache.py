@@ -6,7 +6,10 @@ import subprocess
 import sys
 import textwrap
 
+import helpers
 import jax
+import jax.numpy as jnp
+import optax
 import pytest
 
 import lsgd_jax
@@ -72,3 +75,56 @@ def test_the_default_folder_follows_the_environment(monkeypatch):
     assert _compile_cache.default_directory() == "/scratch/cache"
     monkeypatch.delenv(_compile_cache.ENV)
     assert _compile_cache.default_directory().endswith(".cache/lsgd_jax/jax-compilation-cache")
+
+
+def backend_compiles(fn):
+    """How many programs XLA compiles while ``fn`` runs."""
+    seen = []
+
+    def listener(name, duration, **kwargs):
+        if name.endswith("backend_compile_duration"):
+            seen.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        fn()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    return len(seen)
+
+
+def test_the_ledger_and_the_training_compile_each_program_once():
+    mesh = helpers.mesh_2x4()
+    tx = optax.chain(
+        lsgd_jax.post_local_sgd(2),
+        optax.adamw(1e-3),
+        lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(2, warmup_steps=2)),
+    )
+    params = {"w": jnp.linspace(0.0, 1.0, 12).reshape(3, 4), "b": jnp.ones(4)}
+    loss = lambda p, b: jnp.mean((b @ p["w"] + p["b"]) ** 2)  # noqa: E731
+    # on the mesh already (a host array would add JAX's own transfer program)
+    batch = helpers.put(jnp.arange(24.0).reshape(8, 3) / 24, mesh, helpers.DATA)
+
+    def fresh():
+        return lsgd_jax.replicate(params, mesh), lsgd_jax.replicate(tx.init(params), mesh)
+
+    def train(step, n=5):
+        p, s = fresh()
+        for _ in range(n):
+            p, s, out = step(p, s, batch)
+        out.block_until_ready()
+
+    # the ledger first: it compiles the three phases' programs, training none
+    step = lsgd_jax.data_parallel_step(loss, tx, mesh, compile_ahead=0)
+    assert (
+        backend_compiles(lambda: lsgd_jax.communication_ledger(step, *fresh(), batch, num_steps=5))
+        >= 3
+    )
+    assert backend_compiles(lambda: train(step)) == 0
+    # training first: the ledger reads what it compiled
+    step = lsgd_jax.data_parallel_step(loss, tx, mesh, compile_ahead=0)
+    train(step)
+    assert (
+        backend_compiles(lambda: lsgd_jax.communication_ledger(step, *fresh(), batch, num_steps=5))
+        == 0
+    )
