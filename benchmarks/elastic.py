@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import subprocess
@@ -107,6 +108,37 @@ def overhead(reps: int, steps: int) -> None:
     print(f"| {plain:.2f} | {loop:.2f} | {loop / plain:.2f} | {loop - plain:.2f} |")
 
 
+def rejoin(reps: int, steps: int, step_time: float) -> None:
+    """How long a restarted trainer takes from its start to its first step, without the
+    persistent compilation cache and with it (warm: the trainer's first life, and the
+    other trainers, wrote the programs it needs), alternated."""
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    k = steps // 3
+    for _ in range(reps):
+        for mode in times:
+            with tempfile.TemporaryDirectory() as tmp:
+                out = pathlib.Path(tmp) / "run.jsonl"
+                cache = "off" if mode == "off" else str(pathlib.Path(tmp) / "cache")
+                cmd = [sys.executable, str(ROOT / "examples" / "elastic.py"), "--processes"]
+                cmd += ["3", "--devices-per-process", "2", "--steps", str(steps), "--json"]
+                cmd += [str(out), "--step-time", str(step_time), "--kill", f"2@{k}"]
+                cmd += ["--restart", f"2@{k + 10}", "--compilation-cache", cache]
+                env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+                subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=460, env=env)
+                mine = [json.loads(x) for x in out.read_text().splitlines()]
+                mine = [r["since_start_s"] for r in mine if r.get("process") == 2 and "step" in r]
+            back = [b for a, b in zip(mine, mine[1:]) if b < a]  # its clock restarted
+            if back:
+                times[mode].append(back[0])
+                print(f"  cache {mode}: first step {back[0]:.2f} s after the restart", flush=True)
+    print()
+    print("| persistent compilation cache | restart to first step (s), median [min, max] |")
+    print("|---|---|")
+    for mode, ts in times.items():
+        if ts:
+            print(f"| {mode} | {statistics.median(ts):.2f} [{min(ts):.2f}, {max(ts):.2f}] |")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=3)
@@ -116,7 +148,15 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--overhead", action="store_true", help="only time undisturbed steps, loop or not"
     )
+    ap.add_argument(
+        "--rejoin",
+        action="store_true",
+        help="only time a restarted trainer's rejoin, with and without the compilation cache",
+    )
     args = ap.parse_args(argv)
+    if args.rejoin:
+        rejoin(args.reps, args.steps, args.step_time)
+        return
     if args.overhead:
         overhead(args.reps, args.steps)
         return

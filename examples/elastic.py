@@ -75,6 +75,8 @@ import sys
 import tempfile
 import time
 
+_STARTED = time.time()  # when this process started (a trainer: before its imports)
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -210,6 +212,14 @@ def parse(argv=None):
         default="cpu",
         help="gpu: each process takes --devices-per-process GPUs of this host (process p: "
         "GPUs p*M ... p*M+M-1), with the NCCL flags of JAX's fault-tolerance guide",
+    )
+    ap.add_argument(
+        "--compilation-cache",
+        default="default",
+        metavar="DIR|default|off",
+        help="where the trainers keep compiled programs, so that a restarted one loads "
+        "what it compiled before (default: $LSGD_JAX_COMPILATION_CACHE or "
+        "~/.cache/lsgd_jax/jax-compilation-cache; off: compile everything again)",
     )
     ap.add_argument("--heartbeat", type=int, default=3, help="heartbeat timeout (s)")
     ap.add_argument("--collective-timeout", type=int, default=5, help="seconds")
@@ -416,6 +426,9 @@ def worker(args) -> None:
         heartbeat_timeout_s=args.heartbeat,
         collective_timeout_s=args.collective_timeout,
         external_coordinator=args.coordinator_process,
+        compilation_cache={"default": True, "off": False}.get(
+            args.compilation_cache, args.compilation_cache
+        ),
     )
     import jax
     import numpy as np
@@ -462,6 +475,7 @@ def worker(args) -> None:
             "loss": r.loss,
             "recovery_s": r.recovery_s,
             "failures": len(r.failures),
+            "since_start_s": time.time() - _STARTED,  # this process's own start
         }
         if r.aux is not None:
             line["aux"] = {k: v.item() for k, v in r.aux.items()}

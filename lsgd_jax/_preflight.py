@@ -30,7 +30,12 @@ from lsgd_jax._averager_state import ModelAveragerState
 from lsgd_jax._state import PostLocalSGDState
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-PROBE = {"probe": jnp.zeros((2,), jnp.float32)}  # one tiny leaf: every mean has work
+
+
+def probe() -> dict[str, Any]:
+    """One tiny leaf, so that every mean has work (made when called: creating an array
+    at import would start JAX's backend before ``elastic.initialize`` can set it up)."""
+    return {"probe": jnp.zeros((2,), jnp.float32)}
 
 
 def explicit_axes(mesh: Mesh, axes: Sequence[str]) -> tuple[str, ...]:
@@ -127,11 +132,12 @@ def check_tx(tx: Any, mesh: Mesh, axes: Sequence[str], what: str, check_order: b
       2
     """
     try:
-        probe_state = tx.init(PROBE)
+        params = probe()
+        probe_state = tx.init(params)
     except Exception:  # noqa: BLE001  (a transform needing the real params' structure)
         return None
     _pairing.check_configuration(probe_state, check_order=check_order)
-    check_phases(tx, mesh, axes, what, probe_state, PROBE)
+    check_phases(tx, mesh, axes, what, probe_state, params)
     return probe_state
 
 
@@ -151,7 +157,7 @@ def check_phases(
       axes: the data axes, manual inside the ``shard_map``.
       what: the caller's name, for the error.
       opt_state: one replica's optimizer state (no leading replica axis), e.g.
-        ``tx.init(PROBE)``.
+        ``tx.init(probe())``.
       params: one replica's params for ``opt_state`` (abstract values are enough).
 
     Returns:
@@ -167,8 +173,8 @@ def check_phases(
       >>> from lsgd_jax import _preflight
       >>> mesh = Mesh(np.array(jax.devices()), ("data",))
       >>> tx = optax.chain(lsgd_jax.post_local_sgd(100), optax.sgd(0.1))
-      >>> probe = _preflight.PROBE
-      >>> _preflight.check_phases(tx, mesh, ("data",), "demo", tx.init(probe), probe)
+      >>> params = _preflight.probe()
+      >>> _preflight.check_phases(tx, mesh, ("data",), "demo", tx.init(params), params)
       Traceback (most recent call last):
       ...
       ValueError: demo: the optimizer cannot run on this mesh (axes ('data',)) in phase 0 ...

@@ -59,3 +59,18 @@ def test_a_recoverable_coordination_service_starts_and_stops():
     # lsgd_jax.elastic_coordinator's service: port 0 lets the system pick a free port.
     service = _compat.distributed_runtime_service("127.0.0.1:0", 2, 3, 5)
     service.shutdown()
+
+
+def test_importing_the_library_does_not_start_jaxs_backend():
+    # elastic.initialize must come before the backend starts (its collective timeouts);
+    # an array made at import (a module constant) started it, and every trainer failed.
+    import subprocess
+    import sys
+
+    code = (
+        "import lsgd_jax, lsgd_jax.elastic, lsgd_jax.demo\n"
+        "from lsgd_jax import _compat\n"
+        "print(_compat.backends_are_initialized())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False"
