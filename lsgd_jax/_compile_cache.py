@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import pathlib
-from typing import Any
+from typing import Any, cast
 
 import jax
 
@@ -67,7 +67,7 @@ def use_compilation_cache(directory: Any = None, *, min_compile_time_s: float = 
       >>> folder == jax.config.jax_compilation_cache_dir
       True
     """
-    current = jax.config.jax_compilation_cache_dir
+    current = cast(Any, jax.config).jax_compilation_cache_dir  # (no type stub for it)
     if current:
         return str(current)
     folder = pathlib.Path(directory if directory is not None else default_directory())

@@ -15,9 +15,10 @@ exchanges of integers:
 
 So a mean is a function of the multiset of the replicas' inputs (values plus residuals):
 which replica sums which chunk (its axis position) changes only the order of the float32
-sums. When quantizing would put more bytes on the wire than one float32 all-reduce (a
-tiny tree, a group of one), the mean is that all-reduce instead: exact, and the residual
-becomes zero (see :func:`plan`).
+sums. Where the integers would put no fewer bytes on the link they cross than the
+float32 values (a tiny tree, a group of one), the mean is sent in float32 instead (see
+:func:`plan`): one all-reduce, or with two levels the float32 two-level mean, whose
+shards are all that crosses nodes. It is exact, and the residual becomes zero.
 
 Error feedback keeps what rounding dropped and sends it next time: a replica's residual
 holds its stage-1 rounding error on every chunk, and, on the chunk it summed, ``n`` times
@@ -26,10 +27,12 @@ mean with weight ``1 / n``). The sum of the means over many calls then equals th
 sum up to one residual, whatever the rounding (see :func:`quantized_mean`).
 
 A NaN or Inf makes the scale of its block NaN, so that whole block of the mean is NaN on
-every replica (the non-finite values propagate, as with a plain all-reduce, a block wide);
-the residual stays finite: it is 0 on a whole block that held a non-finite value (its
-finite values' rounding errors are dropped too), and, on the replica that summed a chunk,
-on a block of the chunk mean that came out non-finite.
+every replica (the non-finite values propagate, as with a plain all-reduce, a block
+wide), wherever in the block it sits: each block is tested for finiteness, not left to
+its maximum (a max reduction need not propagate NaN). The residual stays finite: it is 0
+on a whole block that held a non-finite value (its finite values' rounding errors are
+dropped too), and, on the replica that summed a chunk, on a block of the chunk mean that
+came out non-finite.
 """
 
 from __future__ import annotations
@@ -101,7 +104,7 @@ def quantize(x: jax.Array, bits: int, block_size: int) -> tuple[jax.Array, jax.A
     Returns:
       ``(q, scale)``: ``q`` int8 in ``[-qmax, qmax]`` shaped like ``x``, ``scale`` float32
       of shape ``(..., m)``; ``q * scale`` is within ``scale / 2`` of ``x``. A zero block
-      gets scale 1; a block with a NaN or Inf gets scale NaN.
+      gets scale 1; a block with a NaN or Inf anywhere gets scale NaN (and ``q`` 0).
 
     Example:
       >>> import jax.numpy as jnp
@@ -109,15 +112,18 @@ def quantize(x: jax.Array, bits: int, block_size: int) -> tuple[jax.Array, jax.A
       >>> q, s = _quantize.quantize(jnp.array([0.5, -1.0, 0.0, 0.0]), 8, 2)
       >>> q.tolist(), s.tolist()
       ([64, -127, 0, 0], [0.007874015718698502, 1.0])
+      >>> _quantize.quantize(jnp.array([jnp.nan, 1.0, 2.0, 3.0]), 8, 2)[1].tolist()
+      [nan, 0.023622047156095505]
     """
     qmax = QMAX[bits]
     blocks = x.reshape(*x.shape[:-1], -1, block_size)
-    amax = jnp.max(jnp.abs(blocks), axis=-1)
-    scale = amax / qmax
+    # Tested, not left to the max: a max reduction need not propagate NaN.
+    finite = jnp.all(jnp.isfinite(blocks), axis=-1)
+    scale = jnp.max(jnp.abs(blocks), axis=-1) / qmax
     scale = jnp.where(scale == 0, jnp.float32(1), scale)
-    scale = jnp.where(jnp.isfinite(scale), scale, jnp.float32(jnp.nan))
+    scale = jnp.where(finite, scale, jnp.float32(jnp.nan))
     q = jnp.clip(jnp.round(blocks / scale[..., None]), -qmax, qmax)
-    q = jnp.where(jnp.isnan(q), 0, q).astype(jnp.int8)
+    q = jnp.where(finite[..., None], q, 0).astype(jnp.int8)
     return q.reshape(x.shape), scale
 
 
@@ -295,17 +301,21 @@ class Layout(NamedTuple):
 
 
 def plan(length: int, inner: int, outer: int, bits: int, block_size: int) -> Layout | None:
-    """The cut of ``length`` values for a quantized mean, or None where a float32
-    all-reduce sends no more bytes (then the mean is that all-reduce: exact).
+    """The cut of ``length`` values for a quantized mean, or None where the mean is sent
+    in float32 instead: where the integers would put no fewer bytes on the link they
+    cross than the float32 values would.
 
-    One level: ``inner == 1`` and ``outer`` replicas. Two levels: a float32
-    reduce-scatter and all-gather over ``inner`` devices, the quantized mean of each
-    device's shard across ``outer`` nodes. Each replica's chunk is its share of the
-    values (of the shard), padded to whole blocks, and a block is never longer than the
-    chunk: padding stays below one block per chunk, so bytes follow the data. The bytes
-    are compared with the usual algorithms (what ``communication_report`` calls wire
-    bytes): all-to-all + all-gather ``2 (g - 1) x chunk bytes`` against a ring
-    all-reduce's ``2 (g - 1) / g x 4 x length``.
+    One level: ``inner == 1`` and ``outer`` replicas; the float32 mean is one
+    all-reduce over them. Two levels: a float32 reduce-scatter and all-gather over
+    ``inner`` devices (inside the node either way), and across ``outer`` nodes the
+    quantized mean of each device's shard; the float32 mean is the two-level one
+    (``comm.two_level()``'s), whose shard of ``ceil(length / inner)`` values is all
+    that crosses nodes. Each replica's chunk is its share of the values (of the shard),
+    padded to whole blocks, and a block is never longer than the chunk: padding stays
+    below one block per chunk, so bytes follow the data. The bytes over the ``outer``
+    group are compared with the usual algorithms (what ``communication_report`` calls
+    wire bytes): all-to-all + all-gather, ``2 (outer - 1) x chunk bytes``, against a
+    ring all-reduce, ``2 (outer - 1) / outer x 4 x ceil(length / inner)``.
 
     Args:
       length: values in the buffer.
@@ -325,19 +335,20 @@ def plan(length: int, inner: int, outer: int, bits: int, block_size: int) -> Lay
       Layout(block=2, chunk=2, padded=16)
       >>> _quantize.plan(1, 1, 8, 8, 64) is None  # 5 bytes to send 4
       True
+      >>> _quantize.plan(520, 4, 2, 8, 64)  # 2 x 136 bytes across nodes, not 520
+      Layout(block=64, chunk=128, padded=1024)
     """
     if length == 0 or outer == 1:
         return None
-    share = math.ceil(math.ceil(length / inner) / outer)
+    values = math.ceil(length / inner)  # this device's float32 values (its node's shard)
+    share = math.ceil(values / outer)
     block = min(block_size, share + share % 2 if bits == 4 else share)
     chunk = math.ceil(share / block) * block
-    padded = inner * outer * chunk
     chunk_bytes = chunk * bits // 8 + 4 * (chunk // block)
-    quantized = 2 * (outer - 1) * chunk_bytes + 2 * (inner - 1) / inner * 4 * padded
-    n = inner * outer
-    if quantized >= 2 * (n - 1) / n * 4 * length:
+    # 2 (outer - 1) x chunk_bytes >= 2 (outer - 1) / outer x 4 x values, in integers:
+    if outer * chunk_bytes >= 4 * values:
         return None
-    return Layout(block, chunk, padded)
+    return Layout(block, chunk, inner * outer * chunk)
 
 
 def one_level(
@@ -509,7 +520,8 @@ def _send(
     x: jax.Array, group: Group, split: tuple[str, tuple[Any, ...]] | None, bits: int, block: int
 ) -> tuple[jax.Array, jax.Array]:
     """``(mean, residual)`` of the flat buffer ``x``, as :func:`plan` cuts it: quantized
-    in one or two levels, or one float32 all-reduce (exact: the residual is zero)."""
+    in one or two levels, or in float32 (exact: the residual is zero), one all-reduce or,
+    with two levels across nodes, the two-level mean."""
     length = x.shape[0]
     if split is not None:
         inner, outer = split
@@ -517,7 +529,10 @@ def _send(
     else:
         layout = plan(length, 1, _collectives.group_size(group), bits, block)
     if layout is None:
-        return _collectives.mean(x, group, cast=False), jnp.zeros_like(x)
+        if split is None or lax.axis_size(outer) == 1:  # one level, or a single node
+            return _collectives.mean(x, group, cast=False), jnp.zeros_like(x)
+        size = _collectives.group_size(group)
+        return _wire.two_level_sum(x, inner, outer) / size, jnp.zeros_like(x)
     x = jnp.pad(x, (0, layout.padded - length))
     if split is not None:
         return two_level(x, inner, outer, bits, layout.block)

@@ -166,14 +166,15 @@ def two_level_sum(flat: jax.Array, inner: str, outer: tuple[Any, ...]) -> jax.Ar
 
     Reduce-scatter over ``inner`` (each device of the node gets the node's sum of one
     shard), all-reduce of that shard over ``outer`` (the only step that crosses nodes,
-    1 / size(inner) of the buffer per device), all-gather over ``inner``.
+    ``ceil(size / size(inner))`` values per device), all-gather over ``inner``. Every
+    device gets the same sum, typed invariant over the group where JAX can say so.
     """
     k = lax.axis_size(inner)
     size = flat.shape[0]
     padded = jnp.pad(flat, (0, (-size) % k))
     shard = lax.psum_scatter(padded, inner, scatter_dimension=0, tiled=True)
     shard = lax.psum(shard, outer)
-    return lax.all_gather(shard, inner, tiled=True)[:size]
+    return _collectives.all_gather_tiled(shard, inner, {})[:size]
 
 
 def two_level_mean(tree: Any, group: Group, inner: str, cast: bool = True) -> Any:

@@ -477,9 +477,14 @@ def quantized(
     4 bits, with blocks of 64) in each of the two collectives, so about ``2 (g - 1) / g x
     (bits / 8 + 4 / block_size)`` per value and device for a group of ``g``, against
     ``2 (g - 1) / g x 4`` for a float32 ring all-reduce: 0.27x (int8) and 0.14x (4-bit).
-    Where quantizing would send as many bytes as one float32 all-reduce or more (a tree
-    of a few values, a group of one replica, a single node with ``two_level``), the mean
-    is that all-reduce: exact, and the residual becomes zero.
+    Where the integers would put as many bytes on the link they cross as the float32
+    values or more (a tree of a few values per replica, a group of one replica), the mean
+    is sent in float32 instead: exact, and the residual becomes zero. One level: one
+    float32 all-reduce. ``two_level``: what crosses nodes decides, and the float32 mean is
+    :func:`two_level`'s (only its shards cross nodes), so a quantized two-level mean
+    never puts more bytes across nodes than :func:`two_level` for the same tree (wire
+    bytes, as ``communication_report`` counts them); on a single node (nothing crosses)
+    it is one all-reduce. Decided once per tree, in Python, when the mean is traced.
 
     Error feedback (Seide et al., 2014; Karimireddy et al., 2019): each replica keeps
     what its rounding dropped (its stage-1 error on every chunk, and ``g`` times the
@@ -505,9 +510,10 @@ def quantized(
     with ``axis_index_groups``. An ``inner_axis`` that is not a mesh axis where the mean runs
     is an error (a misspelling would otherwise quietly send every mean in one level).
 
-    NaN and Inf propagate: a non-finite value makes its block's scale NaN, so that block
-    of the mean is NaN on every replica (use :func:`finite_only` to leave a diverged
-    replica out instead). The residual stays finite.
+    NaN and Inf propagate: a non-finite value anywhere in a block makes its block's scale
+    NaN, so that block of the mean is NaN on every replica (use :func:`finite_only` to
+    leave a diverged replica out instead). The residual stays finite. (A mean sent in
+    float32, see above, propagates them value by value, as :func:`flat` does.)
 
     Args:
       bits: 8 (int8) or 4 (two values per byte).

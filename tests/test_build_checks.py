@@ -65,6 +65,7 @@ WRONG = {  # name: (tx, what the message must say)
     ),
 }
 
+
 def counting(tx, as_dict):
     """A wrapper of one's own, keeping a count beside the inner state."""
 

@@ -21,12 +21,12 @@ def post_local_tx():
     )
 
 
-def ledger_for(tx, num_steps, **kwargs):
+def ledger_for(tx, num_steps, n=N, **kwargs):
     mesh = mesh_2x4()
     step = lsgd_jax.data_parallel_step(lambda p, b: jnp.mean((b @ p) ** 2), tx, mesh, **kwargs)
-    p = lsgd_jax.replicate(jnp.zeros(N), mesh)
-    s = lsgd_jax.replicate(tx.init(jnp.zeros(N)), mesh)
-    return step, lsgd_jax.communication_ledger(step, p, s, jnp.ones((8, N)), num_steps=num_steps)
+    p = lsgd_jax.replicate(jnp.zeros(n), mesh)
+    s = lsgd_jax.replicate(tx.init(jnp.zeros(n)), mesh)
+    return step, lsgd_jax.communication_ledger(step, p, s, jnp.ones((8, n)), num_steps=num_steps)
 
 
 def test_post_local_sgd_bytes_per_step_and_per_run_by_hand():
@@ -63,6 +63,34 @@ def test_two_level_averages_send_a_quarter_across_nodes():
     # across nodes (256 B), all-gather in the node (256 B)
     assert ledger.per_step().tolist() == [N + LOSS, LOSS, N + LOSS, LOSS]
     assert ledger.per_step("inside").tolist() == [4 * N + N, 0, 4 * N + N, 0]
+
+
+def averages_only(communication):
+    return optax.chain(
+        lsgd_jax.post_local_sgd(0, post_local_gradient_allreduce=False),
+        optax.sgd(0.1),
+        lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(2, communication=communication)),
+    )
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_two_level_averages_send_integers_across_nodes(bits):
+    # Issue 26: 520 params sent one float32 all-reduce over all 8 devices (2,084 B
+    # across nodes a step with the loss, 3,647 wire bytes), 4x comm.two_level()'s.
+    n = 520
+    _, ledger = ledger_for(averages_only(lsgd_jax.comm.quantized(bits, two_level=True)), 2, n)
+    _, two_level = ledger_for(averages_only(lsgd_jax.comm.two_level()), 2, n)
+    # Each device's shard of its node's sum: 130 values; its chunk 65, padded to two
+    # blocks of 64: 128 integers and 2 float32 scales. Across nodes an all-to-all of
+    # both chunks and an all-gather of one; inside, a float32 reduce-scatter of the
+    # padded 8 x 128 values and an all-gather of the 2 x 128 of the shard.
+    chunk = 128 * bits // 8 + 2 * 4
+    assert ledger.per_step().tolist() == [3 * chunk + LOSS, LOSS]
+    assert ledger.per_step("inside").tolist() == [4 * 8 * 128 + 4 * 2 * 128, 0]
+    assert two_level.per_step().tolist() == [4 * n // 4 + LOSS, LOSS]
+    # on the link (a ring all-reduce of 2 sends its bytes once): 2 chunks against 520
+    assert ledger.per_step(wire=True)[0] < two_level.per_step(wire=True)[0]
+    assert ledger.per_step(wire=True)[0] - round(2 * 7 / 8 * LOSS) == 2 * chunk
 
 
 def test_post_local_sgd_counts_its_collectives_by_hand():
