@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import Mesh
+from jax.tree_util import tree_flatten_with_path
 
 from lsgd_jax import _validate
 
@@ -211,6 +212,103 @@ def replica_spec(shape: Sequence[int], mesh: Mesh, axes: tuple[str, ...], inside
     return PartitionSpec(axes, *inner)
 
 
+def _leading_split(x: Any) -> tuple[tuple[str, ...], Any] | None:
+    """The mesh axes that split ``x``'s leading axis, and their mesh, for an array laid
+    out on a mesh of several devices (a NamedSharding); None for an array that carries
+    no such layout (a NumPy array, a single device's, a one-device mesh's)."""
+    from jax.sharding import NamedSharding
+
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(x, jax.Array) or not isinstance(sharding, NamedSharding):
+        return None
+    if sharding.mesh.size == 1:
+        return None
+    spec = tuple(sharding.spec)
+    lead = spec[0] if spec else None
+    return (() if lead is None else lead if isinstance(lead, tuple) else (lead,)), sharding.mesh
+
+
+def _per_replica(tree: Any, who: str) -> None:
+    """Checks that every leaf of ``tree`` carries a leading replica axis (the rule of
+    :func:`consensus`); the error names the leaf, its shape, the replicas expected and
+    the fix."""
+    fix = (
+        "Replicate it with lsgd_jax.replicate(x, mesh) (one copy per replica), or leave "
+        f"it out of the tree: pass only the replicated part, e.g. {who}(state['params'])."
+    )
+    misread = {"consensus": "its own elements would be averaged"}.get(
+        who, "its first element would be taken for a replica's copy"
+    )
+    leaves = [(jax.tree_util.keystr(k) or "(root)", x) for k, x in tree_flatten_with_path(tree)[0]]
+    for name, x in leaves:
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            raise TypeError(
+                f"{who}: leaf {name} is {x!r} ({type(x).__name__}), not an array with a "
+                "leading replica axis: a Python value is one value for all replicas, with "
+                f"no replica's copy to take and nothing to average. {fix}"
+            )
+    # The replica count: from the leaves laid out on a mesh, else the host leaves' own.
+    counts: dict[int, str] = {}  # replicas -> the first leaf laid out with that many
+    for name, x in leaves:
+        layout = _leading_split(x)
+        if layout is None or not x.shape:
+            continue
+        axes, mesh = layout
+        data = data_axes(mesh)
+        n_data = _num_replicas(mesh, data)
+        if not axes and x.shape[0] > 1:  # (a single replica's axis is not split: P(None))
+            raise ValueError(
+                f"{who}: leaf {name} of shape {x.shape} is one copy on every device of its "
+                f"mesh (sharding {x.sharding.spec}), not one per replica: per-replica "
+                f"values have one entry a replica on their leading axis, split over the "
+                f"data axes {data} ({n_data} replicas, one a device, as lsgd_jax.replicate"
+                f"(x, mesh) makes). {fix} If its rows are the replicas' values, lay them "
+                f"out so: jax.device_put(x, NamedSharding(mesh, P({data})))."
+            )
+        count = _num_replicas(mesh, axes)
+        if not set(axes) <= set(data):
+            raise ValueError(
+                f"{who}: leaf {name} of shape {x.shape} has its leading axis split over "
+                f"{axes}, not over the data axes {data} (sharding {x.sharding.spec}): it is "
+                f"not per-replica. {fix}"
+            )
+        if axes and x.shape[0] != count:
+            raise ValueError(
+                f"{who}: leaf {name} has shape {x.shape}, its leading axis split over "
+                f"{axes}: {x.shape[0] / count:g} entries per replica, but per-replica values "
+                f"have one, a leading axis of {count} replicas (as lsgd_jax.replicate "
+                f"makes). {fix}"
+            )
+        counts.setdefault(count, name)
+    if len(counts) > 1:
+        (n1, a), (n2, b) = list(counts.items())[:2]
+        raise ValueError(
+            f"{who}: leaves {a} and {b} hold {n1} and {n2} replicas on their leading axes: "
+            "one tree holds the values of one set of replicas. Pass values replicated over "
+            "different meshes or axes in separate calls."
+        )
+    if counts:
+        n, first = next(iter(counts.items()))
+        why = f"as leaf {first} is laid out on its mesh"
+    else:  # no mesh in sight: the replica count most leaves agree on
+        firsts = collections.Counter(np.shape(x)[0] for _, x in leaves if np.ndim(x))
+        n, why = (firsts.most_common(1)[0][0] if firsts else 0), "as most leaves have"
+    for name, x in leaves:
+        shape = tuple(np.shape(x))
+        if not shape or shape[0] != n:
+            raise ValueError(
+                f"{who}: leaf {name} has shape {shape}, but per-replica values have a "
+                f"leading axis of {n} replicas ({why}); "
+                f"{misread if shape else 'a scalar has none'}. {fix}"
+            )
+        if counts and n > 1 and isinstance(x, jax.Array) and len(x.sharding.device_set) == 1:
+            raise ValueError(
+                f"{who}: leaf {name} of shape {shape} lives on one device, not on the "
+                f"mesh of the replicas ({why}): it was never replicated, so its leading "
+                f"axis is not the {n} replicas' even if it has that length. {fix}"
+            )
+
+
 def unreplicate(tree: Any) -> Any:
     """Replica 0's copy of a replicated pytree (drops the leading replica axis).
 
@@ -218,18 +316,29 @@ def unreplicate(tree: Any) -> Any:
     (every process must call it) that returns arrays replicated on every device, which
     any process can read (``np.asarray``).
 
+    Every leaf must be per-replica, as :func:`consensus` checks (the same rule).
+
     Args:
       tree: a pytree as made by :func:`replicate` (leading replica axis).
 
     Returns:
       The pytree of replica 0.
 
+    Raises:
+      TypeError: a leaf is a Python value (e.g. a step count ``5``), not an array.
+      ValueError: a leaf has no leading replica axis (see :func:`consensus`).
+
     Example:
       >>> import jax.numpy as jnp, lsgd_jax
       >>> mesh = lsgd_jax.make_mesh(2, 4)
       >>> lsgd_jax.unreplicate(lsgd_jax.replicate(jnp.arange(3.0), mesh))
       Array([0., 1., 2.], dtype=float32)
+      >>> lsgd_jax.unreplicate({"w": lsgd_jax.replicate(jnp.arange(3.0), mesh), "step": 5})
+      Traceback (most recent call last):
+      ...
+      TypeError: unreplicate: leaf ['step'] is 5 (int), not an array with a leading ...
     """
+    _per_replica(tree, "unreplicate")
     return jax.tree.map(lambda x: x[0], tree)
 
 
@@ -241,18 +350,47 @@ def consensus(tree: Any) -> Any:
     collective (every process must call it); the result is replicated on every device,
     so any process can read it.
 
+    Every leaf must be per-replica: a leading axis of one entry per replica. A leaf laid
+    out on a mesh (as :func:`replicate` and :func:`data_parallel_step` make them) must
+    have that axis split over the mesh's data axes (:func:`data_axes`, or some of them,
+    e.g. ``("node",)`` when a replica spans a node's devices), one entry a replica, and
+    the leaves must agree on the number of replicas; beside such leaves, a ``jax.Array``
+    on a single device was never replicated and is refused whatever its length. Where no
+    leaf is laid out on a mesh (NumPy arrays, arrays on one device, e.g. after
+    ``jax.device_get``), the replica count is the leading axis that most leaves have,
+    and every leaf must have it (a tree of one such array is taken as it is). So a step
+    count ``5``, a 0-d array, a leaf never replicated (whose own elements would
+    otherwise be averaged), or one copy on every device (sharding ``P()``) raises an
+    error that names the leaf instead of being silently misread.
+
     Args:
-      tree: a pytree with a leading replica axis.
+      tree: a pytree with a leading replica axis on every leaf, e.g. the params that
+        :func:`data_parallel_step` returns.
 
     Returns:
       The pytree without the replica axis.
+
+    Raises:
+      TypeError: a leaf is a Python value (e.g. ``{"params": p, "step": 5}``), not an
+        array; leave it out, or replicate it.
+      ValueError: a leaf has no leading replica axis, or one of another number of
+        replicas than the other leaves', or one not split over the data axes; the
+        message names the leaf (its key path), its shape and the replicas expected.
 
     Example:
       >>> import jax.numpy as jnp, lsgd_jax
       >>> lsgd_jax.consensus({"w": jnp.array([[1.0, 2.0], [3.0, 4.0]])})
       {'w': Array([2., 3.], dtype=float32)}
+      >>> mesh = lsgd_jax.make_mesh(2, 4)
+      >>> p = lsgd_jax.replicate({"w": jnp.ones(2)}, mesh)
+      >>> lsgd_jax.consensus({"params": p, "b": jnp.ones(3)})
+      Traceback (most recent call last):
+      ...
+      ValueError: consensus: leaf ['b'] has shape (3,), but per-replica values have a ...
     """
     import jax.numpy as jnp
+
+    _per_replica(tree, "consensus")
 
     def one(x):
         if not jnp.issubdtype(x.dtype, jnp.inexact):

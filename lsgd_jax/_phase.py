@@ -155,6 +155,7 @@ def replay_digits(opt_state: Any, num_steps: int) -> np.ndarray:
             continue
         schedule = state.averager.sync_schedule
         step = _first(state.step)
+        schedule.check_calls(step, num_steps, type(state.averager).__name__)
         last = _first(state.last_sync) if state.last_sync is not None else 0
         digits = []
         for s in range(step, step + num_steps):
@@ -162,6 +163,27 @@ def replay_digits(opt_state: Any, num_steps: int) -> np.ndarray:
             last = s if schedule.level(s, last) else last
         rows.append(digits)
     return np.asarray(rows, np.int64).reshape(len(rows), num_steps)
+
+
+def calls_left(opt_state: Any) -> int | None:
+    """How many calls from these counters can run before an averager's step counter
+    reaches the int32 maximum under a schedule that cannot continue past it (a callable
+    period): the call there raises OverflowError. None: every counter can go on.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, lsgd_jax
+      >>> from lsgd_jax._phase import calls_left
+      >>> tx = lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(lambda s: 4))
+      >>> state = tx.init({})
+      >>> calls_left(state) == 2**31 - 1, calls_left(state.replace(step=jnp.int32(2**31 - 3)))
+      (True, 2)
+    """
+    rooms = [
+        state.averager.sync_schedule.calls_left(_first(state.step))
+        for state in branching_states(opt_state)
+        if isinstance(state, ModelAveragerState)
+    ]
+    return min((r for r in rooms if r is not None), default=None)
 
 
 def replay_phases(opt_state: Any, num_steps: int) -> np.ndarray:
@@ -179,6 +201,12 @@ def replay_phases(opt_state: Any, num_steps: int) -> np.ndarray:
 
     Returns:
       An int32 array of :func:`phase_index` values, one per step.
+
+    Raises:
+      OverflowError: the steps include one where an averager's step counter is at the
+        int32 maximum and its schedule cannot continue past it (a callable period, or
+        periods whose cycle is longer than the counter's range): the step fails there on
+        the device too, with the same message, which says what to do.
 
     Example:
       >>> import optax, lsgd_jax

@@ -64,6 +64,7 @@ class PhasePlan:
         self._fixed: dict[Any, int | str | None] = {}
         self._phases = np.zeros(0, np.int64)
         self._snapshot: Any = None
+        self._room: int | None = None  # calls the snapshot's counters can run (None: all)
         self._position = 0  # index into _phases of the next call
         self._returned: Any = None  # the state the last call returned
 
@@ -85,17 +86,34 @@ class PhasePlan:
 
         A state other than the one the last call returned (``is``) restarts the plan from
         its counters, which waits for that state to be computed.
+
+        Raises:
+          OverflowError: this call's averager step counter is at the int32 maximum and
+            its schedule cannot continue past it (``_phase.replay_phases``'s message, the
+            one the device raises there), before anything runs.
         """
         fixed = self.fixed_mode(opt_state)
         if fixed is not None:
             return fixed
         if self._snapshot is None or opt_state is not self._returned:
             self._snapshot = _phase.counters_snapshot(opt_state)
-            self._phases = _phase.replay_phases(self._snapshot, self._CHUNK)
+            self._room = _phase.calls_left(self._snapshot)
             self._position = 0
+            self._phases = self._replay(self._CHUNK, needed=1)
         if self._position >= len(self._phases):
-            self._phases = _phase.replay_phases(self._snapshot, 2 * len(self._phases))
+            size = max(2 * len(self._phases), self._position + 1)
+            self._phases = self._replay(size, needed=self._position + 1)
         return int(self._phases[self._position])
+
+    def _replay(self, num_steps: int, needed: int) -> np.ndarray:
+        """The phases of the next ``num_steps`` calls from the snapshot, cut short before
+        the first call whose step counter cannot advance (at the int32 maximum, under a
+        schedule without a cycle) unless it is among the first ``needed``: then the
+        replay raises its OverflowError. Replayed ahead of time, that call would fail
+        one that can still run."""
+        if self._room is not None:  # past it, exactly up to the first call that fails
+            num_steps = min(num_steps, self._room) if needed <= self._room else needed
+        return _phase.replay_phases(self._snapshot, num_steps)
 
     def coming(self, num_calls: int) -> list[int]:
         """The phases of the next ``num_calls`` calls after the last one planned, in the
@@ -103,13 +121,15 @@ class PhasePlan:
         if self._snapshot is None:
             return []
         end = self._position + num_calls
-        if end > len(self._phases):
-            self._phases = _phase.replay_phases(self._snapshot, max(end, 2 * len(self._phases)))
+        cut = self._room is not None and len(self._phases) >= self._room
+        if end > len(self._phases) and not cut:  # cut: none beyond the counters' end
+            self._phases = self._replay(max(end, 2 * len(self._phases)), needed=0)
         return list(dict.fromkeys(int(k) for k in self._phases[self._position : end]))
 
     def replay(self, opt_state: Any, num_steps: int) -> list[int | str]:
         """The program of each of the next ``num_steps`` calls from ``opt_state`` (the
-        plan itself is left as it is)."""
+        plan itself is left as it is); OverflowError when those calls include one that
+        cannot run (see :meth:`mode`)."""
         fixed = self.fixed_mode(opt_state)
         if fixed is not None:
             return [fixed] * num_steps

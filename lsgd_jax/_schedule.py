@@ -37,14 +37,16 @@ def _is_traced(*xs: Any) -> bool:
     return any(isinstance(x, jax.Array) for x in xs)
 
 
-def _counter_overflow(name: str, step: Any) -> None:
-    raise OverflowError(
-        f"{name}: the averager's step counter reached the int32 maximum ({int(step)} calls) "
-        "and its schedule (a callable period, or periods whose cycle is longer than the "
-        "counter's range) cannot be followed past it. Restore from a checkpoint with the "
-        "state's step (and last_sync) moved back by the same amount, e.g. state.replace("
-        "step=state.step - k, last_sync=state.last_sync - k)."
-    )
+def _counter_overflow(message: str, step: Any) -> None:
+    del step  # always INT32_MAX: the message says so
+    raise OverflowError(message)
+
+
+def _period_name(period: Any) -> str:
+    """A callable period as a reader knows it: its qualified name (``<lambda>`` for a
+    lambda), not its repr with an address."""
+    name = getattr(period, "__qualname__", None)
+    return name.rsplit("<locals>.", 1)[-1] if isinstance(name, str) else repr(period)
 
 
 def _check_delay(delay: Any, limit: int, what: str) -> None:
@@ -126,11 +128,16 @@ class _Schedule:
     def replay(self, num_steps: int) -> np.ndarray:
         """The level of every call from step 0 to ``num_steps - 1``, in plain Python.
 
+        Raises:
+          OverflowError: the calls include the one at the int32 maximum, which a schedule
+            that does not wrap there cannot run (see :meth:`check_calls`).
+
         Example:
           >>> from lsgd_jax._schedule import PeriodicSchedule
           >>> PeriodicSchedule(3, warmup_steps=1).replay(8).tolist()
           [0, 1, 0, 0, 1, 0, 0, 1]
         """
+        self.check_calls(0, num_steps, type(self).__name__)
         out, last = [], 0
         for s in range(num_steps):
             level = self.level(s, last)
@@ -138,13 +145,114 @@ class _Schedule:
             last = s if level else last
         return np.asarray(out, np.int32)
 
+    @property
+    def wraps(self) -> bool:
+        """Whether the step counter continues past the int32 maximum (see
+        :meth:`next_step`): the schedule has a cycle that fits in the counter's range
+        after the warm-up and delay. A callable period has none.
+
+        Example:
+          >>> from lsgd_jax._schedule import AdaptiveSchedule, PeriodicSchedule
+          >>> PeriodicSchedule(4).wraps, AdaptiveSchedule(lambda s: 4).wraps
+          (True, False)
+        """
+        cycle, span = self.cycle, INT32_MAX + 1 - self.warmup_steps - self.delay
+        return cycle is not None and cycle <= span
+
+    def calls_left(self, step: int) -> int | None:
+        """How many calls from the counter value ``step`` can run: None when the counter
+        wraps at the int32 maximum (every call can); else the calls before the one at
+        the maximum, which cannot advance its counter and raises OverflowError.
+
+        Example:
+          >>> from lsgd_jax._schedule import AdaptiveSchedule
+          >>> AdaptiveSchedule(lambda s: 4).calls_left(2**31 - 4)
+          3
+        """
+        return None if self.wraps else max(INT32_MAX - int(step), 0)
+
+    def check_calls(self, step: int, num_calls: int, name: str) -> None:
+        """Raises OverflowError (the message of :meth:`next_step`'s device check) when the
+        ``num_calls`` calls from the counter value ``step`` include the one at the int32
+        maximum that this schedule cannot run past: what a replay in plain Python checks
+        before it starts, so that it fails where the device would, with the same words.
+
+        Args:
+          step: the counter's value at the first call.
+          num_calls: how many calls.
+          name: who holds the schedule (e.g. the averager's class name), for the message.
+
+        Raises:
+          OverflowError: as said.
+
+        Example:
+          >>> from lsgd_jax._schedule import AdaptiveSchedule
+          >>> AdaptiveSchedule(lambda s: 4).check_calls(2**31 - 4, 3, "avg")  # fine
+          >>> AdaptiveSchedule(lambda s: 4).check_calls(2**31 - 4, 4, "avg")
+          Traceback (most recent call last):
+          ...
+          OverflowError: replaying 4 calls from step 2147483644: call 4, at step 2147483647, ...
+        """
+        left = self.calls_left(step)
+        if left is not None and num_calls > left:
+            raise OverflowError(
+                f"replaying {num_calls} call{'s' if num_calls > 1 else ''} from step "
+                f"{int(step)}: call {left + 1}, at step {INT32_MAX}, cannot run. "
+                + self.overflow_message(name)
+            )
+
+    def overflow_message(self, name: str) -> str:
+        """Why the call at the int32 maximum fails, and what to do: one text for the
+        device's check (:meth:`next_step`) and the replays in plain Python.
+
+        Example:
+          >>> from lsgd_jax._schedule import PeriodicSchedule
+          >>> PeriodicSchedule(2**31, warmup_steps=2).overflow_message("avg")[:60]
+          'avg (PeriodicSchedule(period=2147483648, warmup_steps=2)): t'
+        """
+        span = INT32_MAX + 1 - self.warmup_steps - self.delay
+        if self.cycle is None:
+            why = "a callable period has no cycle to continue the count from"
+            fix = (
+                "e.g. state.replace(step=state.step - k, last_sync=state.last_sync - k) "
+                "(the period is then asked for step - k), or use an int period"
+            )
+        else:
+            why = (
+                f"its cycle of {self.cycle} steps does not fit in the counter's range "
+                f"after the warm-up and delay ({span} steps)"
+            )
+            fix = (
+                "e.g. state.replace(step=state.step - k), or use periods whose cycle "
+                "(their least common multiple) is at most that range"
+            )
+        return (
+            f"{name} ({self._describe()}): the averager's step counter reached the int32 "
+            f"maximum at step {INT32_MAX} (after {INT32_MAX} calls), and this schedule "
+            f"cannot be followed past it: {why}. Restore from a checkpoint with the "
+            f"averager state's counters moved back by the same amount k, {fix}: such a "
+            "counter wraps and runs forever."
+        )
+
+    def _describe(self) -> str:
+        """The schedule as its constructor call, a callable period by its name."""
+        shown = []
+        for field in dataclasses.fields(self):  # type: ignore[arg-type]  # (subclasses are)
+            value = getattr(self, field.name)
+            if field.default is dataclasses.MISSING or value != field.default:
+                text = _period_name(value) if callable(value) else repr(value)
+                shown.append(f"{field.name}={text}")
+        return f"{type(self).__name__}({', '.join(shown)})"
+
     def next_step(self, step: jax.Array, name: str) -> jax.Array:
         """``step + 1``, kept inside int32 without leaving the schedule.
 
         At the int32 maximum the count continues from an earlier step with the same
         place in the schedule (a whole number of cycles back, never below the warm-up),
-        so the averages stay on schedule forever. A schedule without such a cycle raises
-        OverflowError at that call (a host callback) instead of drifting silently.
+        so the averages stay on schedule forever. A schedule without such a cycle
+        (:attr:`wraps` False) raises OverflowError at that call (a host callback, with
+        :meth:`overflow_message`) instead of drifting silently; the replays in plain
+        Python refuse that call too (:meth:`check_calls`).
 
         Example:
           >>> import jax.numpy as jnp
@@ -153,17 +261,15 @@ class _Schedule:
           >>> int(schedule.next_step(jnp.int32(2**31 - 1), "avg"))
           2
         """
-        # never below warm-up + delay, so that "step - delay" keeps its level too
-        cycle, span = self.cycle, INT32_MAX + 1 - self.warmup_steps - self.delay
-        if cycle is not None and cycle <= span:
+        if self.wraps:
+            # never below warm-up + delay, so that "step - delay" keeps its level too
+            cycle, span = self.cycle, INT32_MAX + 1 - self.warmup_steps - self.delay
+            assert cycle is not None
             wrapped = INT32_MAX + 1 - cycle * (span // cycle)
             nxt = jnp.where(step == INT32_MAX, jnp.int32(wrapped), step + (step < INT32_MAX))
             return nxt.astype(jnp.int32)
-        lax.cond(
-            step == INT32_MAX,
-            lambda: jax.debug.callback(functools.partial(_counter_overflow, name), step),
-            lambda: None,
-        )
+        fail = functools.partial(_counter_overflow, self.overflow_message(name))
+        lax.cond(step == INT32_MAX, lambda: jax.debug.callback(fail, step), lambda: None)
         return optax.safe_increment(step)
 
 
@@ -296,6 +402,11 @@ class AdaptiveSchedule(_Schedule):
     periodic rule. The level depends on the step of the last average, which the
     averager's state keeps (``last_sync``).
 
+    The step counters are int32: a period of ``2**31 - 1`` or more never comes due (a
+    Python int beyond int32 is read as ``2**31 - 1``), and the counter cannot go past
+    ``2**31 - 1`` calls, as the schedule has no cycle to continue from: the call there
+    raises OverflowError, on the device and in every replay (:meth:`check_calls`).
+
     Attributes:
       period: a jit-able ``period(step) -> int``.
       warmup_steps: steps before the first average.
@@ -325,6 +436,27 @@ class AdaptiveSchedule(_Schedule):
     def cycle(self) -> None:
         return None
 
+    def _period_at(self, step: Any) -> Any:
+        """``period(step)`` as the int32 counters compare it: a Python or NumPy int at or
+        beyond the int32 maximum reads as the maximum (the same rule for every call a
+        counter reaches: ``step - last_sync`` never exceeds it before the counter's end)."""
+        try:
+            period = self.period(step)
+        except OverflowError as e:
+            try:
+                at = f"step {int(step)}"
+            except jax.errors.ConcretizationTypeError:
+                at = "a traced step"
+            raise OverflowError(
+                f"period={_period_name(self.period)} raised OverflowError at {at}: {e}. "
+                "The step counters are int32, so a period is compared as one; "
+                f"return at most 2**31 - 1 ({INT32_MAX}), which already means no average "
+                "again before the counter's end."
+            ) from e
+        if isinstance(period, (int, np.integer)) and period > INT32_MAX:
+            return INT32_MAX
+        return period
+
     def is_global(self, level: int) -> bool:
         return level > 0
 
@@ -336,10 +468,14 @@ class AdaptiveSchedule(_Schedule):
                 "step alone: use averager.schedule(num_steps)."
             )
         if _is_traced(step, last_sync):
-            period = jnp.asarray(self.period(step), jnp.int32)
+            period = jnp.asarray(self._period_at(step), jnp.int32)
             on = (step == self.warmup_steps) | (step - last_sync >= period)
             return ((step >= self.warmup_steps) & on).astype(jnp.int32)
-        host_period = int(self.period(jnp.int32(step)))
+        if step > INT32_MAX:  # no int32 counter holds it (nor can period(step) see it)
+            raise OverflowError(
+                f"{type(self).__name__}.level({step}): " + self.overflow_message("this schedule")
+            )
+        host_period = int(self._period_at(jnp.int32(step)))
         hit = step >= self.warmup_steps and (
             step == self.warmup_steps or step - last_sync >= host_period
         )

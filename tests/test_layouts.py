@@ -140,3 +140,65 @@ def test_hsdp_params_sharded_inside_the_node_local_sgd_across_nodes():
             np.testing.assert_allclose(got[name], np.asarray(ref[name])[::4], rtol=1e-5, atol=1e-6)
     # the two nodes really diverge between averages
     assert not np.allclose(traj[START + 1]["w1"][0], traj[START + 1]["w1"][1])
+
+
+@pytest.mark.parametrize("read", [lsgd_jax.consensus, lsgd_jax.unreplicate])
+def test_consensus_and_unreplicate_refuse_a_leaf_without_a_replica_axis(read):
+    """Issue 26, item 6: a step count in the tree gave "AttributeError: 'int' object has
+    no attribute 'dtype'", a 0-d leaf an IndexError, and a leaf never replicated was
+    averaged over its own elements (or lost all but its first). Each names the leaf,
+    its shape, the replicas expected and the fix; every layout the package makes reads."""
+    name = read.__name__
+    mesh = lsgd_jax.make_mesh(2, 4)
+    p = lsgd_jax.replicate({"w": jnp.ones((2, 3)), "b": jnp.arange(3.0)}, mesh)
+    fix = rf"lsgd_jax.replicate\(x, mesh\).*{name}\(state\['params'\]\)"
+    with pytest.raises(TypeError, match=rf"^{name}: leaf \['step'\] is 5 \(int\).*{fix}"):
+        read({"params": p, "step": 5})
+    with pytest.raises(TypeError, match=r"leaf \['lr'\] is 0.1 \(float\)"):
+        read({"params": p, "lr": 0.1})
+    with pytest.raises(
+        ValueError, match=rf"leaf \['n'\] has shape \(\), .* leading axis of 8 replicas.*{fix}"
+    ):
+        read({"params": p, "n": jnp.int32(3)})
+    with pytest.raises(
+        ValueError,
+        match=rf"^{name}: leaf \['bias'\] has shape \(3,\), but per-replica values have a "
+        rf"leading axis of 8 replicas \(as leaf \['params'\]\['b'\] is laid out.*{fix}",
+    ):
+        read({"params": p, "bias": jnp.ones(3)})
+    # As long as the replicas, but never replicated: on one device, or whole on each.
+    with pytest.raises(ValueError, match=r"leaf \['bias'\] of shape \(8,\) lives on one device"):
+        read({"params": p, "bias": jnp.ones(8)})
+    whole = jax.device_put(jnp.ones(8), NamedSharding(mesh, P()))
+    with pytest.raises(ValueError, match=r"\['bias'\] of shape \(8,\) is one copy on every dev"):
+        read({"params": p, "bias": whole})
+    rows = jax.device_put(jnp.ones(16), NamedSharding(mesh, P(("node", "local"))))
+    with pytest.raises(ValueError, match=r"shape \(16,\), its leading axis split over \('node'"):
+        read({"params": p, "batch": rows})
+    per_node = lsgd_jax.replicate(jnp.ones(3), mesh, axes=("node",))
+    with pytest.raises(ValueError, match=r"leaves \['a'\] and \['params'\]\['b'\] hold 2 and 8"):
+        read({"params": p, "a": per_node})
+    with pytest.raises(ValueError, match=r"leaf \['c'\] has shape \(3,\).*2 replicas \(as most"):
+        read({"a": np.ones((2, 3)), "b": np.ones(2), "c": np.ones(3)})  # no mesh in sight
+    model_mesh = Mesh(np.array(jax.devices()).reshape(2, 2, 2), ("node", "local", "model"))
+    split = jax.device_put(jnp.ones((2, 4)), NamedSharding(model_mesh, P("model")))
+    with pytest.raises(ValueError, match=r"split over \('model',\), not over the data axes"):
+        read(split)
+
+    # What reads as before: every layout replicate and the step make, and host arrays.
+    want = np.asarray(p["b"])[0]
+    np.testing.assert_array_equal(read(p)["b"], want)
+    np.testing.assert_array_equal(
+        read({"params": p, "host": np.zeros((8, 2), np.float32)})["params"]["b"], want
+    )
+    hsdp = lsgd_jax.replicate(jnp.ones((3, 8)), mesh, axes=("node",), shard_over="local")
+    assert read(hsdp).shape == (3, 8)
+    # one replica FSDP-split over a process's devices (an elastic run down to one node):
+    # the compiler leaves its leading axis of 1 unsplit, P(None, ...)
+    alone = jax.device_put(jnp.ones((1, 3, 8)), NamedSharding(mesh, P(None, None, "local")))
+    assert read({"w": alone, "n": np.zeros((1,), np.int32)})["w"].shape == (3, 8)
+    model = jax.device_put(
+        jnp.ones((4, 6)), NamedSharding(model_mesh, P(("node", "local"), "model"))
+    )
+    assert read({"w": model, "n": lsgd_jax.replicate(np.int32(2), model_mesh)})["w"].shape == (6,)
+    assert read({"w": np.ones((2, 3), np.float32), "count": np.array([4, 4])})["count"] == 4

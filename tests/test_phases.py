@@ -256,3 +256,44 @@ def test_coming_phases_compile_in_the_background(ahead):
 def test_compile_ahead_is_checked():
     with pytest.raises(ValueError, match="compile_ahead"):
         lsgd_jax.data_parallel_step(loss_fn, make_tx(), mesh_2x4(), compile_ahead=-1)
+
+
+def test_the_step_stops_at_the_int32_maximum_of_a_callable_period_as_the_device_does():
+    """Issue 26, item 7: the host's plan replayed past the counter's end and raised
+    numpy's "OverflowError: Python integer 2147483648 out of bounds for int32" calls
+    before it (after a call that had run, losing its outputs); the device raised the
+    library's message at the call at the maximum, wrapped in a JaxRuntimeError."""
+    mesh = mesh_2x4()
+    averager = lsgd_jax.PeriodicModelAverager(lambda s: jnp.where(s < 100, 2, 2**31 - 10))
+    tx = optax.chain(lsgd_jax.post_local_sgd(0), optax.sgd(0.1), lsgd_jax.model_averaging(averager))
+    first = 2**31 - 1 - 6  # six calls can run, the seventh's counter cannot advance
+    hook, inner, avg = tx.init(init_params())
+    near = (hook, inner, avg.replace(step=jnp.int32(first), last_sync=jnp.int32(first - 1)))
+    data = batches(7)
+    said = "PeriodicModelAverager (AdaptiveSchedule(period=<lambda>)): the averager's step "
+    said += "counter reached the int32 maximum at step 2147483647"
+    fresh = lambda: (lsgd_jax.replicate(init_params(), mesh), lsgd_jax.replicate(near, mesh))  # noqa: E731
+
+    step = lsgd_jax.data_parallel_step(loss_fn, tx, mesh)  # one program per phase
+    p, s = fresh()
+    assert step.plan_of(p, s, data[0], num_steps=6) == [0] * 6
+    ahead = r"^replaying 7 calls from step 2147483641: call 7, at step 2147483647, cannot run"
+    with pytest.raises(OverflowError, match=ahead):
+        step.compile(p, s, data[0], num_steps=7)
+    with pytest.raises(OverflowError, match=ahead):
+        lsgd_jax.communication_ledger(step, p, s, data[0], num_steps=7)
+    for b in data[:6]:
+        p, s, _ = step(p, s, b)
+    with pytest.raises(OverflowError, match=r"call 7, at step 2147483647, cannot run") as info:
+        step(p, s, data[6])
+    assert said in str(info.value) and "last_sync=state.last_sync - k" in str(info.value)
+    assert not s[2].step.is_deleted()  # refused before it ran: the state is there to save
+    assert np.asarray(s[2].step).tolist() == [2**31 - 1] * 8
+
+    switch = lsgd_jax.data_parallel_step(loss_fn, tx, mesh, specialize="switch")
+    p, s = fresh()
+    for b in data[:6]:
+        p, s, _ = switch(p, s, b)
+    with pytest.raises(Exception, match="reached the int32 maximum") as info:  # noqa: B017
+        jax.block_until_ready(switch(p, s, data[6]))
+    assert said in str(info.value)  # the device's words are the host's

@@ -1,6 +1,7 @@
 """Schedules as values: the rule, its replay, and the counter past int32, against plain
 Python (PyTorch's rules written out in tests/helpers.py)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -94,3 +95,61 @@ def test_the_averagers_hold_their_schedules():
 def test_bad_schedules_are_refused(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def _near_the_maximum(averager, back):
+    """``tx.init`` of the averaging alone, its step counter ``back`` calls below the
+    int32 maximum (the step of the last average one before)."""
+    state = lsgd_jax.model_averaging(averager).init({})
+    first = INT32_MAX - back
+    last = None if state.last_sync is None else jnp.int32(first - 1)
+    return state.replace(step=jnp.int32(first), last_sync=last)
+
+
+def test_replays_stop_where_the_counter_of_a_callable_period_stops():
+    # numpy's "OverflowError: Python integer 2147483648 out of bounds for int32" came
+    # from period(jnp.int32(step)) once a replay looked past the maximum; the device
+    # raised the library's own message only at the call at the maximum.
+    averager = lsgd_jax.PeriodicModelAverager(lambda s: jnp.where(s < 100, 2, 2**31 - 10))
+    state = _near_the_maximum(averager, 5)
+    assert lsgd_jax.replay_phases(state, 5).tolist() == [0] * 5  # every call that can run
+    with pytest.raises(OverflowError) as info:
+        lsgd_jax.replay_phases(state, 10)
+    message = str(info.value)
+    assert message.startswith(
+        "replaying 10 calls from step 2147483642: call 6, at step 2147483647, cannot run. "
+        "PeriodicModelAverager (AdaptiveSchedule(period=<lambda>)): the averager's step "
+        "counter reached the int32 maximum"
+    )
+    assert "state.replace(step=state.step - k, last_sync=state.last_sync - k)" in message
+    assert "use an int period" in message
+    with pytest.raises(OverflowError, match=r"replaying 2147483649 calls from step 0: call"):
+        averager.schedule(2**31 + 1)  # refused at once, not after 2**31 Python steps
+    with pytest.raises(OverflowError, match=r"level\(2147483648\).*reached the int32 max"):
+        averager.sync_schedule.level(2**31, 0)
+
+
+def test_a_cycle_longer_than_the_counter_is_refused_where_the_device_refuses_it():
+    # No replay error at all before: the host replayed calls past the maximum that the
+    # device cannot run (its counter has no cycle to continue from).
+    hier = lsgd_jax.HierarchicalModelAverager({2**16: "local", 2**16 + 1: None})
+    state = _near_the_maximum(hier, 2)
+    assert lsgd_jax.replay_phases(state, 2).shape == (2,)
+    with pytest.raises(OverflowError, match=r"call 3, at step 2147483647.*cycle of 4295032832"):
+        lsgd_jax.replay_phases(state, 3)
+    assert not hier.sync_schedule.wraps and lsgd_jax.PeriodicModelAverager(4).sync_schedule.wraps
+
+
+def test_a_callable_period_beyond_int32_is_read_as_never_again():
+    # period(s) beyond int32 failed in the traced comparison (numpy's OverflowError);
+    # any such period means the same thing as 2**31 - 1: no average before the counter
+    # ends. One inside the user's own jnp code cannot be read, and says so.
+    for never in (2**40, np.int64(2**31)):
+        schedule = lsgd_jax.AdaptiveSchedule(lambda s, never=never: never, warmup_steps=1)
+        assert schedule.replay(6).tolist() == [0, 1, 0, 0, 0, 0]
+        assert int(jax.jit(schedule.level)(jnp.int32(INT32_MAX - 1), jnp.int32(1))) == 0
+    inside = lsgd_jax.AdaptiveSchedule(lambda s: jnp.where(s < 4, 2, 2**31))
+    with pytest.raises(OverflowError, match=r"period=<lambda> raised OverflowError at step 0.*"):
+        inside.replay(6)
+    with pytest.raises(OverflowError, match=r"return at most 2\*\*31 - 1 \(2147483647\)"):
+        jax.jit(inside.level)(jnp.int32(5), jnp.int32(1))
