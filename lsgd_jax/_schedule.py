@@ -130,7 +130,7 @@ class _Schedule:
 
         Raises:
           OverflowError: the calls include the one at the int32 maximum, which a schedule
-            that does not wrap there cannot run (see :meth:`check_calls`).
+            that does not wrap there cannot run (see ``check_calls``).
 
         Example:
           >>> from lsgd_jax._schedule import PeriodicSchedule
@@ -252,7 +252,7 @@ class _Schedule:
         so the averages stay on schedule forever. A schedule without such a cycle
         (:attr:`wraps` False) raises OverflowError at that call (a host callback, with
         :meth:`overflow_message`) instead of drifting silently; the replays in plain
-        Python refuse that call too (:meth:`check_calls`).
+        Python refuse that call too (``check_calls``).
 
         Example:
           >>> import jax.numpy as jnp
@@ -405,7 +405,7 @@ class AdaptiveSchedule(_Schedule):
     The step counters are int32: a period of ``2**31 - 1`` or more never comes due (a
     Python int beyond int32 is read as ``2**31 - 1``), and the counter cannot go past
     ``2**31 - 1`` calls, as the schedule has no cycle to continue from: the call there
-    raises OverflowError, on the device and in every replay (:meth:`check_calls`).
+    raises OverflowError, on the device and in every replay (``check_calls``).
 
     Attributes:
       period: a jit-able ``period(step) -> int``.

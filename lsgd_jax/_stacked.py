@@ -43,6 +43,13 @@ def stacked(
     loss may be mapped over the replica axis with ``jax.vmap`` (see
     ``data_parallel_step(..., lowering="jit")``, which does exactly this).
 
+    In a loop of such steps on CPU with simulated devices, keep at most two steps in
+    flight (wait for the loss of the step before last) or set ``PJRT_NPROC`` to twice
+    the devices before JAX starts: with more queued, XLA's CPU client can leave a
+    device of a step without a thread and abort the process after 40 s ("Termination
+    timeout ... Expected 8 threads to join the rendezvous"). See "At most two steps in
+    flight" in docs/training_loops.md.
+
     Args:
       tx: the optimizer, e.g. ``optax.chain(post_local_sgd(...), optimizer,
         model_averaging(...))``.

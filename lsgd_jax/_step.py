@@ -105,13 +105,14 @@ def data_parallel_step(
         CPU). Keep it small on CPU: XLA's CPU client runs each device's part of a
         program on a pool of ``max(cores, devices)`` threads (8 simulated devices on 2
         cores: one thread per device, none spare) and queues at most 32 programs per
-        device; with more queued (a slow step, e.g. 4-bit two-level averages on a
-        loaded machine, plus the other programs of the training loop), the launches of
-        new programs hold pool threads, some devices of the running program never
-        start, the others wait in a collective and the process aborts after 40 s
-        ("Termination timeout for all reduce ... Expected 8 threads to join the
-        rendezvous"). Seen with the old default of 8; ``PJRT_NPROC=<2 x devices>`` in
-        the environment before JAX starts gives the pool spare threads. None: no limit.
+        device; once a device's queue is full, the launch of the next program waits for
+        room on a pool thread, a device of the running program gets no thread, the
+        others wait in its collective and the process aborts after 40 s ("Termination
+        timeout for all reduce ... Expected 8 threads to join the rendezvous"). Seen
+        with the old default of 8. ``PJRT_NPROC=<2 x devices>`` in the environment
+        before JAX starts gives the pool spare threads. A loop of your own needs the
+        same bound: "At most two steps in flight" in docs/training_loops.md. None: no
+        limit.
       specialize: how the step's branches are compiled. ``True`` (default): one
         program per phase (global or node-local gradient mean, times each averaging
         level; see :func:`phase_index`), compiled when that phase first occurs and

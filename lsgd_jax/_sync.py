@@ -54,6 +54,12 @@ def step_counters(tree: Any) -> dict[str, Any]:
     (e.g. inside an ``optax.chain`` state, a replicated optimizer state, or a dict that
     holds both params and optimizer state).
 
+    The two count differently. ``iter`` is PyTorch's ``PostLocalSGDState.iter``: it
+    counts the hook's calls until ``start_localSGD_iter`` and then stops there (the
+    hook only needs to know that it has switched), so after the switch it no longer
+    says how many steps ran. The averager's ``step`` counts every call. Read ``step``
+    (or count the steps yourself) for the number of steps taken.
+
     Args:
       tree: any pytree.
 
@@ -67,6 +73,18 @@ def step_counters(tree: Any) -> dict[str, Any]:
       ...     lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(2, warmup_steps=4)))
       >>> list(lsgd_jax.step_counters(tx.init({})))
       ['[0].iter', '[2].step']
+
+      Six updates later ``iter`` has stopped at the switch (4) and ``step`` is 6:
+
+      >>> import jax, jax.numpy as jnp
+      >>> mesh = lsgd_jax.make_mesh(2, 4)
+      >>> stx = lsgd_jax.stacked(tx, mesh)  # the chain on stacked per-replica trees
+      >>> params = lsgd_jax.replicate(jnp.zeros(3), mesh)
+      >>> state, update = stx.init(params), jax.jit(stx.update)
+      >>> for _ in range(6):
+      ...     _, state = update(jnp.ones((8, 3)), state, params)
+      >>> {path: int(c[0]) for path, c in lsgd_jax.step_counters(state).items()}
+      {'[0].iter': 4, '[2].step': 6}
     """
     found = {}
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_counter_node)

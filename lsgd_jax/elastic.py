@@ -719,7 +719,11 @@ class ElasticLoop:
       batch_fn: ``batch_fn(step, layout) -> tree`` of this process's rows of the global
         batch of ``step`` (``layout.devices_per_process`` times the rows per replica;
         with ``fsdp_axes="local"`` its one replica's rows), e.g. rows chosen by
-        ``layout.row`` or by the process index.
+        ``layout.row`` or by the process index. Called at the start of every attempt
+        of a step: a retried step calls it again with the same ``step``, so return the
+        same rows for the same step and process. It is part of the step (keep it well
+        under the collective timeout); an error it raises ends the run. The contract
+        in full: "What you provide" in docs/failures.md.
       step_options: more keyword arguments for ``data_parallel_step`` (e.g.
         ``{"specialize": "switch"}``), checked here; donation and overlap are off (a
         retry needs the state before the step). ``{"fsdp_axes": "local"}``: each

@@ -8,6 +8,7 @@ examples with ``assert`` blocks on a few results.
 
 import pathlib
 import re
+import tomllib
 
 import pytest
 
@@ -41,3 +42,25 @@ def test_the_api_reference_names_every_public_name():
     for module in (lsgd_jax.comm, lsgd_jax.elastic):
         listed = re.search(rf"automodule:: {module.__name__}\n\s+:members: (.*)", api)
         assert listed and set(module.__all__) <= set(listed[1].split(", ")), module.__name__
+
+
+def test_the_install_commands_bring_what_the_pages_need():
+    # flax.md imports Flax; checkpoints.md's functions import orbax-checkpoint. Each page
+    # says which extra to install, and getting_started.md (as README) installs both.
+    pyproject = tomllib.loads((DOCS.parent / "pyproject.toml").read_text())
+    extras = pyproject["project"]["optional-dependencies"]
+    for page, extra, dist in [
+        ("flax.md", "examples", "flax"),
+        ("checkpoints.md", "checkpoint", "orbax-checkpoint"),
+    ]:
+        assert f'pip install -e ".[{extra}]"' in (DOCS / page).read_text(), page
+        assert any(re.match(rf"{dist}\b", d) for d in extras[extra]), (extra, dist)
+    assert 'pip install -e ".[examples,checkpoint]"' in (DOCS / "getting_started.md").read_text()
+
+
+def test_the_hand_written_loops_keep_at_most_two_steps_in_flight():
+    # training_loops.md, "At most two steps in flight": a loop of jitted steps on
+    # simulated CPU devices that never waits can abort in XLA's rendezvous.
+    for code in python_blocks((DOCS / "training_loops.md").read_text()):
+        if re.search(r"^for .* in range", code, flags=re.M):
+            assert "in_flight.popleft().block_until_ready()" in code, code

@@ -33,3 +33,9 @@ def test_python_snippets_run():
 def test_the_pages_it_links_exist():
     for page in re.findall(r"`(docs/[a-z_]+\.md)`", README):
         assert (ROOT / page).is_file(), page
+
+
+def test_it_says_which_extras_the_pages_need():
+    # The demo needs the package alone; docs/flax.md and docs/checkpoints.md need Flax
+    # and orbax-checkpoint (tests/test_docs.py checks that the extras bring them).
+    assert 'pip install -e ".[examples,checkpoint]"' in README
