@@ -113,6 +113,7 @@ def rejoin(reps: int, steps: int, step_time: float) -> None:
     persistent compilation cache and with it (warm: the trainer's first life, and the
     other trainers, wrote the programs it needs), alternated."""
     times: dict[str, list[float]] = {"off": [], "on": []}
+    compiled: dict[str, list[int]] = {"off": [], "on": []}
     k = steps // 3
     for _ in range(reps):
         for mode in times:
@@ -123,20 +124,40 @@ def rejoin(reps: int, steps: int, step_time: float) -> None:
                 cmd += ["3", "--devices-per-process", "2", "--steps", str(steps), "--json"]
                 cmd += [str(out), "--step-time", str(step_time), "--kill", f"2@{k}"]
                 cmd += ["--restart", f"2@{k + 10}", "--compilation-cache", cache]
-                env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+                env = {n: v for n, v in os.environ.items() if not n.startswith("JAX_")}
                 subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=460, env=env)
                 mine = [json.loads(x) for x in out.read_text().splitlines()]
-                mine = [r["since_start_s"] for r in mine if r.get("process") == 2 and "step" in r]
-            back = [b for a, b in zip(mine, mine[1:]) if b < a]  # its clock restarted
-            if back:
-                times[mode].append(back[0])
-                print(f"  cache {mode}: first step {back[0]:.2f} s after the restart", flush=True)
+                mine = [r for r in mine if r.get("process") == 2 and "step" in r]
+            # its second life: the records after its clock restarted
+            second = next(
+                (
+                    i
+                    for i in range(1, len(mine))
+                    if mine[i]["since_start_s"] < mine[i - 1]["since_start_s"]
+                ),
+                None,
+            )
+            if second is not None:
+                first, last = mine[second], mine[-1]
+                times[mode].append(first["since_start_s"])
+                compiled[mode].append(last["compiles"])
+                print(
+                    f"  cache {mode}: first step {first['since_start_s']:.2f} s after the "
+                    f"restart; {last['compiles']} programs compiled in its second life",
+                    flush=True,
+                )
     print()
-    print("| persistent compilation cache | restart to first step (s), median [min, max] |")
-    print("|---|---|")
+    print(
+        "| persistent compilation cache | restart to first step (s), median [min, max] | "
+        "programs the restarted trainer compiled |"
+    )
+    print("|---|---|---|")
     for mode, ts in times.items():
         if ts:
-            print(f"| {mode} | {statistics.median(ts):.2f} [{min(ts):.2f}, {max(ts):.2f}] |")
+            print(
+                f"| {mode} | {statistics.median(ts):.2f} [{min(ts):.2f}, {max(ts):.2f}] | "
+                f"{compiled[mode]} |"
+            )
 
 
 def main(argv=None) -> None:

@@ -433,6 +433,17 @@ def worker(args) -> None:
     import jax
     import numpy as np
 
+    # Programs this process compiled: compile requests not served from the persistent
+    # compilation cache (JAX times both as "backend_compile_duration").
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: (
+            compiles.append(1) if name.endswith("backend_compile_duration") else None
+        )
+    )
+    jax.monitoring.register_event_listener(
+        lambda name, **kw: compiles.append(-1) if name.endswith("/cache_hits") else None
+    )
     me, rows = args.process_id, 16  # rows per replica
     (xs, ys), (xt, yt) = _data(args.processes, me)
     events = open(args.events, "a", buffering=1) if args.events else None
@@ -476,6 +487,7 @@ def worker(args) -> None:
             "recovery_s": r.recovery_s,
             "failures": len(r.failures),
             "since_start_s": time.time() - _STARTED,  # this process's own start
+            "compiles": sum(compiles),
         }
         if r.aux is not None:
             line["aux"] = {k: v.item() for k, v in r.aux.items()}
