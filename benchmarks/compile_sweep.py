@@ -31,6 +31,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compile_time import hand_written_step  # noqa: E402  (a script beside this one)
+
 COMMS = ("float32", "int8", "int8 no EF", "4-bit", "4-bit no EF")
 
 
@@ -42,7 +45,6 @@ def measure(leaves: int, communication: str, hand: bool) -> list[dict]:
     jax.config.update("jax_num_cpu_devices", 8)
     import jax.numpy as jnp
     import optax
-    from jax import lax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -79,21 +81,7 @@ def measure(leaves: int, communication: str, hand: bool) -> list[dict]:
     if hand:
         inner = optax.adamw(1e-3)
         for name, mean in (("hand DDP", True), ("hand local", False)):
-
-            def body(params, opt_state, batch, mean=mean):
-                params, opt_state = jax.tree.map(lambda x: x[0], (params, opt_state))
-                loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-                if mean:
-                    grads = lax.pmean(grads, ("node", "local"))
-                updates, opt_state = inner.update(grads, opt_state, params)
-                params = optax.apply_updates(params, updates)
-                loss = lax.pmean(loss, ("node", "local"))
-                return jax.tree.map(lambda x: x[None], (params, opt_state)) + (loss,)
-
-            step = jax.jit(
-                jax.shard_map(body, mesh=mesh, in_specs=(D, D, D), out_specs=(D, D, P())),
-                donate_argnums=(0, 1),
-            )
+            step = hand_written_step(loss_fn, inner, mesh, mean)
             s = lsgd_jax.replicate(inner.init(params), mesh)
             t0 = time.perf_counter()
             compiled = step.lower(p, s, batch).compile()

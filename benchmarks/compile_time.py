@@ -43,6 +43,32 @@ MODES = (
 )
 
 
+def hand_written_step(loss_fn, inner, mesh, mean: bool = True):
+    """A hand-written ``shard_map`` step over ``("node", "local")``: the gradients'
+    mean over every replica (DDP; ``mean=False``: none, a local step), ``inner``'s
+    update, the loss's mean. ``step(params, opt_state, batch) -> (params, opt_state,
+    loss)`` on per-replica params and state (leading replica axis), donated."""
+    import jax
+    import optax
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    data = P(("node", "local"))
+
+    def body(params, opt_state, batch):
+        params, opt_state = jax.tree.map(lambda x: x[0], (params, opt_state))
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        if mean:
+            grads = lax.pmean(grads, ("node", "local"))
+        updates, opt_state = inner.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        loss = lax.pmean(loss, ("node", "local"))
+        return jax.tree.map(lambda x: x[None], (params, opt_state)) + (loss,)
+
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(data,) * 3, out_specs=(data, data, P()))
+    return jax.jit(mapped, donate_argnums=(0, 1))
+
+
 def measure(mode: str, steps: int) -> dict:
     """Runs in a fresh process: first-step time and median step time of ``mode``."""
     import jax
@@ -117,20 +143,7 @@ def measure(mode: str, steps: int) -> dict:
     )
     if mode == "hand-written":
         inner = optax.adamw(1e-3)
-
-        def body(params, opt_state, batch):
-            params, opt_state = jax.tree.map(lambda x: x[0], (params, opt_state))
-            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-            grads = lax.pmean(grads, ("node", "local"))
-            updates, opt_state = inner.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
-            loss = lax.pmean(loss, ("node", "local"))
-            return jax.tree.map(lambda x: x[None], (params, opt_state)) + (loss,)
-
-        step = jax.jit(
-            jax.shard_map(body, mesh=mesh, in_specs=(D, D, D), out_specs=(D, D, P())),
-            donate_argnums=(0, 1),
-        )
+        step = hand_written_step(loss_fn, inner, mesh)
         opt_state = lsgd_jax.replicate(inner.init(params0), mesh)
     else:
         specialize = {"specialize='switch'": "switch", "specialize=False": False}.get(mode, True)

@@ -2,6 +2,8 @@
 the compiled module, not timed (issue 27)."""
 
 import collections
+import importlib.util
+import pathlib
 import re
 
 import jax
@@ -9,13 +11,16 @@ import jax.numpy as jnp
 import optax
 import pytest
 from helpers import DATA, mesh_2x4
-from jax import lax
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import lsgd_jax
 
 WIDTH = 8
+_SPEC = importlib.util.spec_from_file_location(
+    "compile_time", pathlib.Path(__file__).parents[1] / "benchmarks" / "compile_time.py"
+)
+COMPILE_TIME = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(COMPILE_TIME)  # the hand-written step the benchmarks measure
 
 
 def mlp(layers):
@@ -54,20 +59,7 @@ def kernels(text):
 
 def hand_written(params, loss_fn, mesh, batch):
     inner = optax.adamw(1e-3)
-
-    def body(params, opt_state, batch):
-        params, opt_state = jax.tree.map(lambda x: x[0], (params, opt_state))
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        grads = lax.pmean(grads, ("node", "local"))
-        updates, opt_state = inner.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        return jax.tree.map(lambda x: x[None], (params, opt_state)) + (
-            lax.pmean(loss, ("node", "local")),
-        )
-
-    step = jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=(DATA,) * 3, out_specs=(DATA,) * 2 + (P(),))
-    )
+    step = COMPILE_TIME.hand_written_step(loss_fn, inner, mesh)
     state = lsgd_jax.replicate(inner.init(params), mesh)
     return ops(step.lower(lsgd_jax.replicate(params, mesh), state, batch).compile().as_text())
 
