@@ -49,7 +49,7 @@ def serve(
       >>> from lsgd_jax.elastic_coordinator import serve
       >>> serve(9876, 3, host="127.0.0.1")  # doctest: +SKIP
     """
-    from lsgd_jax import _compat, _validate
+    from lsgd_jax._core import _compat, _validate
 
     _validate.positive_int(num_processes, "elastic_coordinator: num_processes")
     _validate.positive_int(heartbeat_timeout_s, "elastic_coordinator: heartbeat_timeout_s")

@@ -150,7 +150,7 @@ def compile_then_stall():
 
 
 def late_consensus():
-    from lsgd_jax import _membership
+    from lsgd_jax.elastic import _membership
 
     if PID == 1 and sys.argv[5] == "first":
         jax.devices()  # the others' backends need this process's devices once

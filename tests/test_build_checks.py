@@ -190,7 +190,7 @@ def test_every_averaging_level_and_strategy_is_checked_on_the_mesh():
 
 
 def test_the_check_traces_only_and_names_each_phase():
-    from lsgd_jax import _preflight
+    from lsgd_jax.step import _preflight
 
     tx = optax.chain(hook(8), optax.sgd(0.1), avg(8, delay=1))
     state = tx.init({})

@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding
 
 import lsgd_jax
 from lsgd_jax import comm
-from lsgd_jax._ledger import crosses_nodes
+from lsgd_jax.step._ledger import crosses_nodes
 
 N = 8
 GLOBAL = ("node", "local")

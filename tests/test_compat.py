@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 from helpers import DATA, mesh_2x4, put, smap
 
-from lsgd_jax import _compat
+from lsgd_jax._core import _compat
 
 
 def test_pmap_axis_names_are_found():

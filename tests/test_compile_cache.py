@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import lsgd_jax
-from lsgd_jax import _compile_cache
+from lsgd_jax.step import _compile_cache
 
 SCRIPT = textwrap.dedent(
     """

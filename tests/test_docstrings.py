@@ -2,17 +2,33 @@
 
 import doctest
 import importlib
+import pathlib
 import pkgutil
+import types
 
 import pytest
 
 import lsgd_jax
 
+PACKAGE = pathlib.Path(lsgd_jax.__file__).parent
 MODULES = sorted(
     m.name
-    for m in pkgutil.iter_modules(lsgd_jax.__path__, "lsgd_jax.")
+    for m in pkgutil.walk_packages(lsgd_jax.__path__, "lsgd_jax.")
     if m.name != "lsgd_jax.demo"
 )
+NAMESPACES = {m.name for m in pkgutil.walk_packages(lsgd_jax.__path__, "lsgd_jax.") if m.ispkg}
+
+
+def test_every_module_of_every_subpackage_is_walked():
+    # pkgutil.iter_modules sees the top folder only: the doctests of the subpackages
+    # would silently stop running. Every .py file below lsgd_jax is one module here.
+    files = {
+        ".".join(("lsgd_jax", *p.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(
+            ".__init__"
+        )
+        for p in PACKAGE.rglob("*.py")
+    }
+    assert files - {"lsgd_jax", "lsgd_jax.demo"} == set(MODULES)
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -20,12 +36,21 @@ def test_docstring_examples(name):
     module = importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0, f"{result.failed} docstring example(s) failed in {name}"
-    if name != "lsgd_jax":
+    if name not in NAMESPACES:  # a namespace only re-exports
         assert result.attempted > 0, f"{name} has no docstring examples"
 
 
-def test_public_api_is_documented_with_examples():
+def public_names():
+    """Every name of ``lsgd_jax.__all__`` and of its namespaces' ``__all__``."""
     for name in lsgd_jax.__all__:
         obj = getattr(lsgd_jax, name)
+        if isinstance(obj, types.ModuleType):
+            yield from ((f"{name}.{n}", getattr(obj, n)) for n in getattr(obj, "__all__", ()))
+        else:
+            yield name, obj
+
+
+def test_public_api_is_documented_with_examples():
+    for name, obj in public_names():
         doc = obj.__doc__ or ""
         assert "Example" in doc or "Attributes" in doc, f"{name} has no example"

@@ -236,7 +236,7 @@ def test_the_writer_process_saves_a_step_once_and_the_first_rename_wins(tmp_path
     import optax
 
     import lsgd_jax
-    from lsgd_jax import _elastic_checkpoint
+    from lsgd_jax.elastic import _elastic_checkpoint
 
     mesh = lsgd_jax.make_mesh(2, 2)
     tx = optax.sgd(0.1, momentum=0.9)

@@ -18,8 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import lsgd_jax
-from lsgd_jax import _attempts, _heal, _membership
-from lsgd_jax.elastic import ElasticLoop
+from lsgd_jax.elastic import ElasticLoop, _attempts, _heal, _loop, _membership
 
 AXES = ("node", "local")
 
@@ -387,7 +386,7 @@ def test_the_loop_refuses_bad_checkpoint_arguments(directory, every, error, matc
 
 
 def test_the_loop_refuses_a_checkpoint_dir_that_is_a_file(tmp_path):
-    from lsgd_jax import _elastic_checkpoint
+    from lsgd_jax.elastic import _elastic_checkpoint
 
     (tmp_path / "f").write_text("x")
     with pytest.raises(ValueError, match="exists and is not a folder"):
@@ -400,7 +399,7 @@ def test_only_finalized_checkpoint_steps_are_listed(tmp_path):
     # folder, and an elastic writer's staging folder, as a writer killed mid-save
     # leaves them); a set-aside damaged step 6 and a stray file: the latest is 2.
     # (The elastic writer itself: tests/test_elastic_checkpoint.py.)
-    from lsgd_jax import _elastic_checkpoint
+    from lsgd_jax.elastic import _elastic_checkpoint
 
     mesh = lsgd_jax.make_mesh(2, 2)
     params = {"w": jnp.ones(3)}
@@ -429,14 +428,14 @@ def test_a_watchdog_shorter_than_a_wait_for_a_dead_peer_is_refused(monkeypatch):
         return ElasticLoop(_loss, tx, params, lambda s, lay: {}, stall_timeout_s=stall)
 
     timeouts = {"heartbeat": 3, "collective": 5, "processes": 3}
-    monkeypatch.setattr(lsgd_jax.elastic, "_TIMEOUTS", timeouts)
+    monkeypatch.setattr(_loop, "_TIMEOUTS", timeouts)
     for stall in (2.0, 8):
         with pytest.raises(ValueError, match=rf"stall_timeout_s={stall:g} s .*\(8 s\)"):
             build(stall)
     for stall in (8.5, None):  # accepted: the next check wants jax.distributed
         with pytest.raises(RuntimeError, match="jax.distributed is not initialized"):
             build(stall)
-    monkeypatch.setattr(lsgd_jax.elastic, "_TIMEOUTS", {**timeouts, "processes": 1})
+    monkeypatch.setattr(_loop, "_TIMEOUTS", {**timeouts, "processes": 1})
     with pytest.raises(RuntimeError, match="jax.distributed is not initialized"):
         build(2.0)
 
@@ -455,12 +454,11 @@ _MS_INIT = {"mean": np.zeros(3, np.float32)}
 
 def test_the_loop_takes_model_state_and_aux_in_its_step_options():
     # No longer refused: checked (the step built once on one device) and accepted.
-    from lsgd_jax import elastic
 
     options = {"with_model_state": True, "has_aux": True}
     tx = optax.sgd(0.1)
-    assert elastic._check_loop_args(_ms_loss, tx, options, None, 3, _MS_INIT) == (None, 3)
-    assert elastic._check_loop_args(_loss, tx, {"has_aux": False}, None, 3) == (None, 3)
+    assert _loop._check_loop_args(_ms_loss, tx, options, None, 3, _MS_INIT) == (None, 3)
+    assert _loop._check_loop_args(_loss, tx, {"has_aux": False}, None, 3) == (None, 3)
 
 
 @pytest.mark.parametrize(
@@ -489,29 +487,28 @@ def test_the_loop_refuses_model_state_without_its_option_and_the_reverse(
 
 
 def test_a_state_with_model_state_is_checked_part_by_part():
-    from lsgd_jax import elastic
 
     mesh = Mesh(np.array(jax.local_devices()).reshape(1, -1), AXES)
     tx, params = optax.sgd(0.1), {"w": np.zeros((3, 1), np.float32)}
     template = (params, tx, _MS_INIT)
-    state = elastic._fresh_state(mesh, *template)
+    state = _loop._fresh_state(mesh, *template)
     assert len(state) == 3 and np.shape(state[1]["mean"]) == (len(jax.local_devices()), 3)
-    elastic._check_state(state, *template)  # fine
+    _loop._check_state(state, *template)  # fine
     with pytest.raises(ValueError, match=r"must be \(params, model_state, opt_state\).*length 2"):
-        elastic._check_state((state[0], state[2]), *template)
+        _loop._check_state((state[0], state[2]), *template)
     wrong = (state[0], {"other": state[1]["mean"]}, state[2])
     with pytest.raises(ValueError, match="its model_state tree does not have the structure"):
-        elastic._check_state(wrong, *template)
-    result = elastic._result(state, None, [])
+        _loop._check_state(wrong, *template)
+    result = _loop._result(state, None, [])
     assert result.model_state is state[1] and result.state == state
-    assert elastic._result(state[::2], None, []).state == state[::2]  # without: a pair
+    assert _loop._result(state[::2], None, []).state == state[::2]  # without: a pair
     out = (*state, jnp.float32(1.0), {"n": 3})
-    assert elastic._split_outputs(out, 3) == (state, out[3], {"n": 3})
-    assert elastic._split_outputs(out[1:4], 2) == (state[1:], out[3], None)
+    assert _loop._split_outputs(out, 3) == (state, out[3], {"n": 3})
+    assert _loop._split_outputs(out[1:4], 2) == (state[1:], out[3], None)
 
 
 def test_checkpoint_trees_carry_model_state_only_when_the_loop_has_it():
-    from lsgd_jax import _elastic_checkpoint as ec
+    from lsgd_jax.elastic import _elastic_checkpoint as ec
 
     assert ec.as_dict(("p", "o")) == {"params": "p", "opt_state": "o"}
     assert ec.as_dict(("p", "m", "o")) == {"params": "p", "opt_state": "o", "model_state": "m"}
@@ -547,7 +544,7 @@ def test_a_process_the_others_declared_dead_is_told_to_restart():
     """After a SIGSTOP longer than the heartbeat timeout the live set no longer holds
     this process: it raises LeftBehindError (not posted as a user error, so the others
     go on), instead of a StopIteration that ended every process (found by the soak)."""
-    from lsgd_jax import _attempts
+    from lsgd_jax.elastic import _attempts
 
     with pytest.raises(
         lsgd_jax.elastic.LeftBehindError, match=r"process 0 is not among .*\[1, 2\]"
@@ -583,7 +580,7 @@ def test_the_elastic_example_reads_the_digits_scikit_learn_ships():
 def fsdp_replicas(mesh, values):
     """Per-process replicas (one a mesh row), each leaf split over the row's devices as
     lsgd_jax.replicate(..., axes=("node",), shard_over="local") lays it out."""
-    from lsgd_jax._mesh import replica_spec
+    from lsgd_jax.mesh._mesh import replica_spec
 
     spec = replica_spec(np.shape(values)[1:], mesh, ("node",), ("local",))
     return jax.device_put(jnp.asarray(values), NamedSharding(mesh, spec))
@@ -633,30 +630,28 @@ def test_heal_moves_each_shard_across_replicas_only():
 
 
 def test_the_loop_takes_fsdp_over_its_local_axis_only():
-    from lsgd_jax import elastic
 
     tx, params = optax.sgd(0.1), {"w": np.zeros((3, 4), np.float32)}
-    assert elastic._check_loop_args(_loss, tx, {"fsdp_axes": "local"}, None, 3) == (None, 3)
+    assert _loop._check_loop_args(_loss, tx, {"fsdp_axes": "local"}, None, 3) == (None, 3)
     for bad in ("node", "fsdp", ("node", "local")):
         with pytest.raises(ValueError, match=rf"fsdp_axes={re.escape(repr(bad))} is not supp"):
             ElasticLoop(_loss, tx, params, lambda s, lay: {}, step_options={"fsdp_axes": bad})
 
 
 def test_a_state_of_one_replica_a_process_is_checked_shard_by_shard():
-    from lsgd_jax import elastic
 
     mesh = Mesh(np.array(jax.local_devices()).reshape(1, -1), AXES)
     n = len(jax.local_devices())
     tx, params = optax.adam(0.1), {"w": np.zeros((3, 2 * n), np.float32), "b": np.zeros(3)}
-    sharded = elastic._fresh_state(mesh, params, tx, None, ("local",))
+    sharded = _loop._fresh_state(mesh, params, tx, None, ("local",))
     assert sharded[0]["w"].addressable_shards[0].data.shape == (1, 3, 2)
-    elastic._check_state(sharded, params, tx, None, ("local",))  # fine
-    whole = elastic._fresh_state(mesh, params, tx, None)
-    elastic._check_state(whole, params, tx, None)
+    _loop._check_state(sharded, params, tx, None, ("local",))  # fine
+    whole = _loop._fresh_state(mesh, params, tx, None)
+    _loop._check_state(whole, params, tx, None)
     with pytest.raises(ValueError, match=r"split over this process's 8 devices \(shards of shape"):
-        elastic._check_state(whole, params, tx, None, ("local",))
+        _loop._check_state(whole, params, tx, None, ("local",))
     with pytest.raises(ValueError, match="one replica of shape .* on each of this process's 8"):
-        elastic._check_state(sharded, params, tx, None)
+        _loop._check_state(sharded, params, tx, None)
 
 
 def test_a_layout_counts_a_process_as_one_replica_when_the_replica_spans_it():

@@ -18,7 +18,7 @@ from mp_worker import CFG, fresh_state, global_batch, loss_fn, make_tx, train
 from multiprocess import processes, run_workers, wait_all, wait_for_text, worker_cmds
 
 import lsgd_jax
-from lsgd_jax._mesh import _check_node_rows
+from lsgd_jax.mesh._mesh import _check_node_rows
 
 AVERAGER = lsgd_jax.PeriodicModelAverager(CFG["period"], CFG["start"])
 AVERAGING_STEPS = [s for s in range(CFG["steps"]) if AVERAGER.level(s)]  # 4, 7, 10

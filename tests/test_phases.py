@@ -101,7 +101,7 @@ def test_every_way_of_compiling_the_phases_gives_the_same_numbers(specialize, re
 
 
 def test_the_switch_falls_back_to_the_conds_past_max_phases(reference, monkeypatch):
-    from lsgd_jax import _step_program
+    from lsgd_jax.step import _step_program
 
     monkeypatch.setattr(_step_program, "MAX_PHASES", 3)  # 2 x 2 phases: past it
     got_p, _ = run(make_tx(), specialize="switch")

@@ -12,8 +12,9 @@ import pytest
 from helpers import DATA, linear_loss, mesh_2x4, put, smap
 
 import lsgd_jax
-from lsgd_jax import _compat, comm
-from lsgd_jax._report import (
+from lsgd_jax import comm
+from lsgd_jax._core import _compat
+from lsgd_jax.report._report import (
     Collective,
     CommunicationReport,
     _axes_of,

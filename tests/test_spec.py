@@ -1265,7 +1265,7 @@ def test_a_quantized_mean_never_sends_more_across_nodes_than_its_float32_mean():
     one flat all-reduce for one level. Computed from the plan (the library's, which must
     cut as the model's does); ``test_the_bytes_across_nodes_are_what_compiles`` ties
     these counts to the compiled collectives."""
-    from lsgd_jax import _quantize
+    from lsgd_jax.comm import _quantize
 
     for nodes, local in BYTE_MESHES:
         for length in BYTE_SIZES:
@@ -1312,7 +1312,7 @@ def test_the_bytes_across_nodes_are_what_compiles(length):
     of the compiled average's collectives that span nodes (the ledger's rule), on 2 x 4
     devices, for every strategy of the test above: the fallback's sizes (1), tiny trees
     that quantize (13), the issue's 520 params and int8's old threshold (4,124)."""
-    from lsgd_jax._ledger import crosses_nodes
+    from lsgd_jax.step._ledger import crosses_nodes
 
     mesh, spec = mesh_of(MESH_2X4), P(TWO)
     sharding = jax.NamedSharding(mesh, spec)

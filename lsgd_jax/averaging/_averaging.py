@@ -1,0 +1,756 @@
+"""Model averagers: PeriodicModelAverager and HierarchicalModelAverager.
+
+An averager is an immutable, hashable config: a schedule (when to average,
+``_schedule``), groups (over whom), a communication strategy (how the mean travels,
+``lsgd_jax.comm``) and options for the maths around a global mean (``_outer``). Its
+mutable part is a :class:`ModelAveragerState`. One call (``_average_call``) takes one
+branch from the state's counters, the same on every replica, so at most one group's
+collective runs per step.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import logging
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Union, cast
+
+import jax
+import numpy as np
+import optax
+
+from lsgd_jax import comm
+from lsgd_jax._core import _collectives, _validate
+from lsgd_jax._core._collectives import Group, GroupSpec
+from lsgd_jax.averaging import _average_call, _fragments, _outer
+from lsgd_jax.averaging._averager_state import ModelAveragerState, check_state, initial_state
+from lsgd_jax.schedules._schedule import AdaptiveSchedule, HierarchicalSchedule, PeriodicSchedule
+
+_PERIOD_ONE = (
+    "When period is 1, no need to use model averaging because the communication cost of "
+    "all-reducing parameters will be no less than the cost of all-reducing gradients in "
+    "the backward pass. Therefore, only plain data-parallel averaging of gradients should "
+    "be used for this case."
+)
+NONFINITE_POLICIES = ("propagate", "exclude", "skip")
+
+logger = logging.getLogger("lsgd_jax")
+
+_OPTIONS_DOC = """
+      nonfinite: what a replica with NaN/Inf params does to an average
+        (``comm.finite_only(policy)``): ``"propagate"``
+        (default, PyTorch's behaviour: the whole group's element becomes NaN),
+        ``"exclude"`` (the mean of the finite replicas only, which the non-finite ones
+        also receive: ``average_parameters`` heals them; through ``model_averaging`` a
+        replica whose update is non-finite is healed, one whose params already are
+        keeps its NaN elements, since ``apply_updates`` adds to them, but cannot spread
+        them) or ``"skip"`` (a group with a non-finite replica does not average this
+        time). A skipped average (``"skip"`` with a non-finite replica, ``"exclude"``
+        with no finite one) changes nothing but the step: the params keep their local
+        values, and the anchor, the outer optimizer's state and its count stay as they
+        were (except that an average working from the group's common anchor, see
+        ``delta``, leaves that anchor). Both log a warning naming the replica and step
+        through the ``"lsgd_jax"`` logger (a host callback, compiled in while that logger
+        is enabled for WARNING at trace time); still one collective per average.
+        ``data_parallel_step``'s model state follows the params: a group that skipped
+        keeps its model state; where the params averaged, a replica whose own model
+        state is non-finite is left out of its mean and receives it (with either
+        policy), and one whose params were left out (``"exclude"``) still contributes a
+        finite model state (it came from a forward pass of finite numbers).
+      outer_optimizer: an optax transformation applied, at each global average, to the
+        pseudo-gradient ``anchor - mean(params)``, where ``anchor`` is the params at the
+        previous global average; the new params are ``anchor + updates`` (SlowMo, Wang
+        et al., ICLR 2020; DiLoCo, Douillard et al., 2023: ``optax.sgd(0.7,
+        momentum=0.9, nesterov=True)``). ``optax.sgd(1.0)`` is plain averaging, exactly.
+        Its state and the anchor live in the averager's state: ``init(params)``. Only
+        floating leaves take the outer step; integer leaves keep their own values.
+      outer_skip_first: the first global average is a plain average that sets the
+        anchor, and the outer optimizer acts from the second one on (default). Otherwise
+        the anchor is the params given to ``init``, and the first outer step, at the
+        switch, takes the whole synchronous warm-up as one pseudo-gradient: with
+        Nesterov momentum that overshoots it (measured on digits: accuracy dips to 93%
+        after the switch; see benchmarks/RESULTS.md). False matches DiLoCo without a
+        warm-up phase; if the replicas were given different params to ``init``, the
+        first outer step starts from the group's first replica's.
+      communication_dtype: e.g. ``jnp.bfloat16``: send the average in this dtype (an
+        all-to-all and an all-gather, about half the bytes of a float32 all-reduce) and
+        sum it in float32 (``communication=lsgd_jax.comm.compressed(dtype)``). The
+        params are then rounded to this dtype at each average unless ``delta=True``.
+      delta: average ``params - anchor`` (the change since the last global average)
+        instead of the params, and add it back to the anchor: with
+        ``communication_dtype`` the rounding then falls on the small change only.
+        Needs ``init(params)``. Until a fragment's first global average the anchor is
+        the params each replica was given to ``init``, which may differ; averages up to
+        and including that one (at every level of a hierarchy) work from the group's
+        first replica's anchor ``a``, ``a + mean(params - a)``, so the replicas come
+        together as without delta (``a`` is copied by one exact all-reduce of the
+        anchor in each of those averages, in a ``lax.cond`` on the step, or none when the
+        state is shared by every replica, passed unmapped). From then on the anchor is
+        common and only the change travels.
+      delay: ``tau`` (0: PyTorch's rule). A global average (every average of a
+        periodic averager, the last level of a hierarchical one) then lands ``tau``
+        calls after it starts: at a call t that averages, each replica keeps its params
+        ``s`` as they are and starts the mean (or the outer optimizer's step) of ``s``;
+        at call t + tau, after that call's update, params become ``params + (mean - s)``:
+        the consensus correction on top of the local progress made meanwhile, so the
+        average can travel while the next steps compute (Overlap Local-SGD: Wang,
+        Tantia, Ballas, Rabbat, "Overlap Local-SGD: An Algorithmic Approach to Hide
+        Communication Delays in Distributed SGD", ICASSP 2020; Streaming DiLoCo's
+        overlap: Douillard et al., 2025). ``1 <= tau <`` the period (``period /
+        fragments`` with fragments; the global period of a hierarchy): one average in
+        flight at a time. Needs ``init(params)``; ``s`` and the mean are in the state
+        (checkpointed). Model state (``data_parallel_step``) is averaged when the
+        average starts; ``average_opt_state`` is not supported with a delay.
+      communication: how the mean travels, a ``lsgd_jax.comm`` strategy (e.g.
+        ``comm.finite_only("skip")``, ``comm.compressed(jnp.bfloat16)``); None: from
+        ``nonfinite`` and ``communication_dtype`` (``comm.flat()`` by default). Give
+        either this or those two.
+      offload_state: True: keep the averager's buffers (the anchor, the outer
+        optimizer's state, the error-feedback residual, a delayed average's start and
+        mean) in host memory (``memory_kind="pinned_host"``) between averages, as
+        torchft stages its outer state in pinned CPU memory: an average copies them
+        onto the device, uses them and copies them back, and the steps between averages
+        do not touch them. ``replicate(tx.init(params), mesh)`` places them there. The
+        numbers are the same. None (default): on the device.
+"""
+
+
+def _normalized(group: GroupSpec) -> Group | None:
+    """An averager's ``process_group`` as ``__post_init__`` stores it (normalized)."""
+    return cast("Group | None", group)
+
+
+def _communicator(averager: Any) -> comm.Communication:
+    """The strategy an averager's options ask for (``communication=`` or the flags)."""
+    if averager.communication is not None:
+        if not isinstance(averager.communication, comm.Communication):
+            raise TypeError(
+                f"communication must be a lsgd_jax.comm strategy (e.g. "
+                f"lsgd_jax.comm.flat()), got {averager.communication!r}."
+            )
+        if averager.nonfinite != "propagate" or averager.communication_dtype is not None:
+            raise ValueError(
+                "Give either communication= or nonfinite=/communication_dtype=, not both: "
+                f"communication={averager.communication!r}, nonfinite="
+                f"{averager.nonfinite!r}, communication_dtype={averager.communication_dtype!r}."
+            )
+        return averager.communication
+    if averager.communication_dtype is not None:
+        if averager.nonfinite != "propagate":
+            raise ValueError(
+                "communication_dtype works with nonfinite='propagate' only; the "
+                f"finiteness check needs the exact all-reduce (got {averager.nonfinite!r})."
+            )
+        return comm.compressed(averager.communication_dtype)
+    if averager.nonfinite != "propagate":
+        return comm.finite_only(averager.nonfinite)
+    return comm.flat()
+
+
+def _check_options(self: Any) -> None:
+    """Validates (and normalizes) the options both averagers share."""
+    _validate.one_of(
+        self.nonfinite,
+        "nonfinite",
+        NONFINITE_POLICIES,
+        ": 'propagate' (PyTorch's behaviour: a NaN spreads to the whole group), 'exclude' "
+        "(average the finite replicas only) or 'skip' (no average for a group with a NaN)",
+    )
+    if self.outer_optimizer is not None and not isinstance(
+        self.outer_optimizer, optax.GradientTransformation
+    ):
+        raise TypeError(
+            f"outer_optimizer must be an optax GradientTransformation, got "
+            f"{self.outer_optimizer!r}; e.g. optax.sgd(0.7, momentum=0.9, nesterov=True)."
+        )
+    for flag in ("delta", "outer_skip_first"):
+        object.__setattr__(self, flag, _validate.boolean(getattr(self, flag), flag))
+    if self.offload_state is not None:  # None and False alike: on the device
+        offload = _validate.boolean(self.offload_state, "offload_state")
+        object.__setattr__(self, "offload_state", True if offload else None)
+    if self.communication_dtype is not None:
+        dtype = comm.compressed(self.communication_dtype).dtype
+        object.__setattr__(self, "communication_dtype", dtype)
+    _communicator(self)
+
+
+class _AveragerConfig(abc.ABC):
+    """An averager's configuration: its parts, groups and schedule, compared by value.
+
+    A subclass gives the schedule (``sync_schedule``), the groups, and how each level
+    resolves to a group (and fragment) where it runs.
+    """
+
+    warmup_steps: int
+    nonfinite: str
+    outer_optimizer: Any
+    outer_skip_first: bool
+    communication_dtype: Any
+    delta: bool
+    communication: Any
+    delay: int
+    offload_state: bool | None
+    process_group: GroupSpec
+
+    @property
+    @abc.abstractmethod
+    def sync_schedule(self) -> Any:
+        """When to average (a PeriodicSchedule, HierarchicalSchedule or AdaptiveSchedule)."""
+
+    @property
+    @abc.abstractmethod
+    def groups(self) -> tuple[Group | None, ...]:
+        """The group of each level (None for every bound mapped axis)."""
+
+    @abc.abstractmethod
+    def _branch_groups(self) -> list[tuple[Group, Any, bool]]:
+        """One ``(resolved group, fragment or None, is_global)`` per level, where it runs."""
+
+    @abc.abstractmethod
+    def _first_global_step(self, fragment: int) -> int:
+        """The step of the first global average of fragment ``fragment`` (0-based; 0
+        without fragments): until then the replicas' anchors may differ."""
+
+    @property
+    def communicator(self) -> comm.Communication:
+        """The communication strategy of the averages (from ``communication`` or the
+        ``nonfinite`` / ``communication_dtype`` options).
+
+        Example:
+          >>> import lsgd_jax
+          >>> lsgd_jax.PeriodicModelAverager(4, nonfinite="skip").communicator
+          FiniteOnly(policy='skip')
+        """
+        return _communicator(self)
+
+    @property
+    def parts(self) -> _outer.Parts:
+        """The averager as four parts: when (the schedule), what (the params or their
+        change since the anchor), how (the communication strategy) and then (assign the
+        mean, or an outer optimizer's step). The options build them; one average runs
+        them in that order (``_average_call.average_level``).
+
+        Example:
+          >>> import lsgd_jax
+          >>> parts = lsgd_jax.PeriodicModelAverager(4, delta=True).parts
+          >>> parts.what, parts.how, parts.then
+          (SendDelta(), Flat(), Assign())
+        """
+        what = _outer.SendDelta() if self.delta else _outer.SendParams()
+        then: _outer.Assign | _outer.OuterStep = _outer.Assign()
+        if self.outer_optimizer is not None:
+            then = _outer.OuterStep(self.outer_optimizer, self.outer_skip_first)
+        return _outer.Parts(self.sync_schedule, what, self.communicator, then)
+
+    def _identity(self) -> tuple:
+        """What equality compares: the class, the fields that are not spellings of the
+        communication strategy, and the strategy they resolve to (so ``nonfinite="skip"``
+        equals ``communication=comm.finite_only("skip")``)."""
+        spellings = ("nonfinite", "communication_dtype", "communication")
+        fields = [f.name for f in dataclasses.fields(self)]  # type: ignore[arg-type]
+        kept = tuple((n, getattr(self, n)) for n in fields if n not in spellings)
+        return type(self), kept, self.communicator
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Averager) and self._identity() == other._identity()
+
+    def __hash__(self) -> int:
+        return hash(self._identity())
+
+    @property
+    def needs_params(self) -> bool:
+        """Whether ``init`` needs the params (outer optimizer, delta, delay)."""
+        return self.parts.needs_anchor or bool(self.delay)
+
+    @property
+    def num_levels(self) -> int:
+        """How many nonzero levels ``level`` / ``schedule`` can return (one per group,
+        or per fragment)."""
+        return self.sync_schedule.num_levels
+
+    def is_global(self, level: int) -> bool:
+        """Whether an average at ``level`` (0: none) spans the global group: the last
+        group's level, or every fragment's.
+
+        Example:
+          >>> import lsgd_jax
+          >>> avg = lsgd_jax.HierarchicalModelAverager({2: "local", 8: ("node", "local")})
+          >>> [avg.is_global(k) for k in range(3)]
+          [False, False, True]
+        """
+        return self.sync_schedule.is_global(level)
+
+    @property
+    def cycle(self) -> int | None:
+        """The schedule's cycle after the warm-up: the period (periodic), the least common
+        multiple of the periods (hierarchical), None for a callable period."""
+        return self.sync_schedule.cycle
+
+    def schedule(self, num_steps: int) -> np.ndarray:
+        """The level of every call from step 0 to ``num_steps - 1`` (0: no average), for
+        every option (a callable period included): the way to count averages, e.g.
+        ``sum(map(avg.is_global, avg.schedule(1000)))`` global ones.
+
+        Example:
+          >>> import lsgd_jax
+          >>> lsgd_jax.PeriodicModelAverager(3, warmup_steps=1).schedule(8).tolist()
+          [0, 1, 0, 0, 1, 0, 0, 1]
+        """
+        return self.sync_schedule.replay(num_steps)
+
+
+class _Averager(_AveragerConfig):
+    """What both averagers share: the configuration, the state, and the public calls."""
+
+    def init(self, params: Any = None) -> ModelAveragerState:
+        """Returns the initial state: ``step == 0`` (and the anchor, where needed).
+
+        Args:
+          params: the initial params; required with ``outer_optimizer`` or ``delta``
+            (the anchor of the first global average), ignored otherwise.
+
+        Returns:
+          A ModelAveragerState.
+
+        Example:
+          >>> import lsgd_jax
+          >>> int(lsgd_jax.PeriodicModelAverager(4).init().step)
+          0
+        """
+        return initial_state(self, params)
+
+    def _advance(self, state: ModelAveragerState) -> ModelAveragerState:
+        """The state after one more call (see ``_schedule._Schedule.next_step``)."""
+        return state.replace(step=self.sync_schedule.next_step(state.step, type(self).__name__))
+
+    def average_alongside(self, tree: Any, state: ModelAveragerState) -> Any:
+        """The plain group mean of ``tree`` on the steps (and groups) that ``state`` averages.
+
+        For values that follow the params but are not part of them, such as batch-norm
+        statistics: call it with the averager state of the same step (before it was
+        advanced). No anchor, outer optimizer or fragments apply; the step is not advanced.
+
+        Args:
+          tree: the pytree to average.
+          state: the averager's state at this step.
+
+        Returns:
+          The averaged (or unchanged) tree.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, lsgd_jax
+          >>> from jax.sharding import PartitionSpec as P
+          >>> mesh = lsgd_jax.make_mesh(num_nodes=2, devices_per_node=2)
+          >>> avg = lsgd_jax.PeriodicModelAverager(period=2)
+          >>> f = jax.jit(jax.shard_map(avg.average_alongside, mesh=mesh,
+          ...     in_specs=(P(("node", "local")), P()), out_specs=P(("node", "local"))))
+          >>> f(jnp.arange(4.0), avg.init())
+          Array([1.5, 1.5, 1.5, 1.5], dtype=float32)
+        """
+        return _average_call.alongside(self, tree, state)
+
+    def average_parameters(
+        self, params: Any, state: ModelAveragerState
+    ) -> tuple[Any, ModelAveragerState]:
+        """Replaces ``params`` by their group mean on averaging steps; advances the step.
+
+        The exact path: on an averaging step each replica's params become the group mean
+        itself, so the replicas of a group are bitwise identical afterwards. Call it after
+        ``optax.apply_updates``, inside ``jax.shard_map`` or ``jax.pmap``.
+
+        Args:
+          params: this replica's parameters (any pytree; only floating leaves average).
+          state: the averager's state, from ``init()``; the same on every replica.
+
+        Returns:
+          ``(params, new_state)``.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, lsgd_jax
+          >>> from jax.sharding import PartitionSpec as P
+          >>> mesh = lsgd_jax.make_mesh(num_nodes=2, devices_per_node=2)
+          >>> avg = lsgd_jax.PeriodicModelAverager(period=2)
+          >>> f = jax.jit(jax.shard_map(avg.average_parameters, mesh=mesh,
+          ...     in_specs=(P(("node", "local")), P()), out_specs=(P(("node", "local")), P())))
+          >>> p, s = f(jnp.arange(4.0), avg.init())   # step 0 averages
+          >>> p, int(s.step)
+          (Array([1.5, 1.5, 1.5, 1.5], dtype=float32), 1)
+        """
+        return self.average_tree(params, None, state)[::2]
+
+    def average_tree(
+        self, params: Any, extra: Any, state: ModelAveragerState
+    ) -> tuple[Any, Any, ModelAveragerState]:
+        """Like ``average_parameters``, also averaging ``extra`` in the same collective.
+
+        ``extra`` (e.g. momentum buffers, batch-norm statistics) is averaged on the same
+        steps, over the same group, with the same all-reduce as the params, but takes no
+        part in the options that concern the model (anchor, outer optimizer, delta).
+        Not with a quantized communication (``comm.quantized``: ValueError), which would
+        round ``extra`` in blocks with no error feedback of its own.
+
+        Args:
+          params: this replica's parameters.
+          extra: any pytree to average alongside (None for nothing).
+          state: the averager's state.
+
+        Returns:
+          ``(params, extra, new_state)``.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, lsgd_jax
+          >>> from jax.sharding import PartitionSpec as P
+          >>> mesh = lsgd_jax.make_mesh(num_nodes=2, devices_per_node=2)
+          >>> avg = lsgd_jax.PeriodicModelAverager(period=2)
+          >>> D = P(("node", "local"))
+          >>> f = jax.jit(jax.shard_map(avg.average_tree, mesh=mesh,
+          ...     in_specs=(D, D, P()), out_specs=(D, D, P())))
+          >>> p, m, s = f(jnp.arange(4.0), 10 * jnp.arange(4.0), avg.init())
+          >>> m
+          Array([15., 15., 15., 15.], dtype=float32)
+        """
+        check_state(state, "average_parameters", self)
+        if isinstance(self.communicator, comm.Quantized) and extra is not None:
+            raise ValueError(
+                f"average_tree: extra values cannot travel with a quantized communication "
+                f"({self.communicator!r}): they would be rounded in blocks scaled by each "
+                "block's largest value, with no error feedback of their own, so small "
+                "entries (Adam's second moments, running variances) round to 0. Average "
+                "them with an exact or bfloat16 strategy (lsgd_jax.comm.apply(lsgd_jax."
+                "comm.flat(), extra, group)), or use communication=lsgd_jax.comm.flat()."
+            )
+        if self.delay and extra is not None:
+            raise ValueError(
+                f"average_tree: extra values are not averaged by a delayed average (delay="
+                f"{self.delay}); average them with average_alongside, or use delay=0."
+            )
+        (params, extra), state = _average_call.run(
+            self,
+            (params, extra),
+            state,
+            prepare=lambda op: op,
+            finish=lambda op, p, e: (p, e),
+            passthrough=lambda op: op,
+        )
+        return params, extra, self._advance(state)
+
+
+def _options() -> dict[str, Any]:
+    return {
+        "nonfinite": dataclasses.field(default="propagate", kw_only=True),
+        "outer_optimizer": dataclasses.field(default=None, kw_only=True),
+        "outer_skip_first": dataclasses.field(default=True, kw_only=True),
+        "communication_dtype": dataclasses.field(default=None, kw_only=True),
+        "delta": dataclasses.field(default=False, kw_only=True),
+        "communication": dataclasses.field(default=None, kw_only=True),
+        "delay": dataclasses.field(default=0, kw_only=True),
+        "offload_state": dataclasses.field(default=None, kw_only=True),
+    }
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # equality: _Averager._identity
+class PeriodicModelAverager(_Averager):
+    """Averages the model over a group every ``period`` steps after a warm-up.
+
+    The JAX form of PyTorch's ``PeriodicModelAverager``: a call at step ``s`` (counted
+    from 0) averages when ``s >= warmup_steps`` and ``(s - warmup_steps) % period == 0``,
+    so the first average happens at step ``warmup_steps`` itself. With
+    :func:`post_local_sgd`, set ``warmup_steps == start_localSGD_iter``.
+
+    An immutable, hashable config; the step counter lives in the state from ``init()``.
+    Every option below is off by default, which is PyTorch's behaviour exactly.
+
+    Args:
+      period: steps between averages (>= 1; 1 warns, as plain DDP is then cheaper); or
+        a schedule ``period(step) -> int`` (jit-able, e.g. ``lambda s: jnp.where(s <
+        1000, 16, 4)``): the average at step ``s`` happens when ``s == warmup_steps`` or
+        ``s - last_average >= period(s)`` (AdaComm-style: Wang & Joshi, "Adaptive
+        Communication Strategies to Achieve the Best Error-Runtime Trade-off in Local-Update
+        SGD", SysML 2019). For a constant schedule this is the same rule.
+      warmup_steps: steps before the first average (>= 0).
+      process_group: the axes to average over; None: every mapped axis bound where it runs.
+      fragments: split the params into this many equal slices of their flattened values
+        and average one slice at a time, round robin, each every ``period`` steps, the
+        k-th offset by ``k * period / fragments`` steps: the peak cross-node traffic per
+        step drops ``fragments`` times (Streaming DiLoCo, Douillard et al., 2025).
+        ``period`` must be an int divisible by ``fragments``. With ``delta`` or an
+        anchor, each fragment's anchor is that fragment at its own last average.
+        Optimizer-state leaves averaged alongside (``post_local_sgd_optimizer``'s
+        ``average_opt_state``) that form a params-shaped part of the state (momentum,
+        Adam's moments) are cut like the params; other leaves, and model state, are
+        averaged whole at every fragment's average.{options}
+    Example:
+      >>> import lsgd_jax
+      >>> avg = lsgd_jax.PeriodicModelAverager(period=4, warmup_steps=2)
+      >>> [s for s in range(12) if avg.level(s)]
+      [2, 6, 10]
+
+    References:
+      Lin, Stich, Patel, Jaggi, `Don't Use Large Mini-Batches, Use Local SGD
+      <https://arxiv.org/abs/1808.07217>`_, ICLR 2020.
+    """
+
+    period: int | Callable[[jax.Array], Any]
+    warmup_steps: int = 0
+    process_group: GroupSpec = None
+    fragments: int = dataclasses.field(default=1, kw_only=True)
+    nonfinite: str = _options()["nonfinite"]
+    outer_optimizer: Any = _options()["outer_optimizer"]
+    outer_skip_first: bool = _options()["outer_skip_first"]
+    communication_dtype: Any = _options()["communication_dtype"]
+    delta: bool = _options()["delta"]
+    communication: Any = _options()["communication"]
+    delay: int = _options()["delay"]
+    offload_state: bool | None = _options()["offload_state"]
+
+    def __post_init__(self) -> None:
+        _check_options(self)
+        warmup = _validate.nonnegative_int(self.warmup_steps, "warmup_steps")
+        object.__setattr__(self, "warmup_steps", warmup)
+        k = _validate.positive_int(self.fragments, "fragments")
+        if callable(self.period):
+            if k > 1 or self.delay:
+                raise ValueError(
+                    f"fragments={k} and delay={self.delay} need an int period (a callable "
+                    f"period has no fixed spacing), got period={self.period!r}; e.g. "
+                    f"period={4 * k}."
+                )
+            schedule: Any = AdaptiveSchedule(self.period, warmup)
+        else:
+            schedule = PeriodicSchedule(self.period, warmup, k, self.delay)
+            object.__setattr__(self, "period", schedule.period)
+            if schedule.period == 1:
+                warnings.warn(_PERIOD_ONE, stacklevel=3)
+        object.__setattr__(self, "_schedule", schedule)
+        group = _collectives.normalize_group(self.process_group, "process_group")
+        object.__setattr__(self, "process_group", group)
+        if k > 1 and self.outer_optimizer is not None:
+            raise ValueError(
+                "fragments with an outer_optimizer is not supported; use one or the other."
+            )
+
+    @property
+    def sync_schedule(self) -> PeriodicSchedule | AdaptiveSchedule:
+        """The schedule (a PeriodicSchedule, or an AdaptiveSchedule for a callable period).
+
+        Example:
+          >>> import lsgd_jax
+          >>> lsgd_jax.PeriodicModelAverager(4, warmup_steps=2).sync_schedule
+          PeriodicSchedule(period=4, warmup_steps=2, fragments=1, delay=0)
+        """
+        return self._schedule  # type: ignore[attr-defined]
+
+    @property
+    def groups(self) -> tuple[Group | None, ...]:
+        return (_normalized(self.process_group),)
+
+    def level(self, step: Any) -> Any:
+        """Which call averages: 0 for none, else 1 (or the fragment number, 1-based).
+
+        Args:
+          step: the averager's step count (Python int or int array).
+
+        Returns:
+          The level, of the same kind as ``step``.
+
+        Example:
+          >>> import lsgd_jax
+          >>> [lsgd_jax.PeriodicModelAverager(2, warmup_steps=1).level(s) for s in range(5)]
+          [0, 1, 0, 1, 0]
+          >>> [lsgd_jax.PeriodicModelAverager(4, fragments=2).level(s) for s in range(6)]
+          [1, 0, 2, 0, 1, 0]
+        """
+        return self.sync_schedule.level(step)
+
+    def _first_global_step(self, fragment: int) -> int:
+        """The step of the first average of fragment ``fragment`` (0-based)."""
+        if callable(self.period):
+            return self.warmup_steps
+        return self.warmup_steps + fragment * (self.period // self.fragments)
+
+    def _branch_groups(self) -> list[tuple[Group, Any, bool]]:
+        what = "PeriodicModelAverager"
+        group = _collectives.resolve(
+            _normalized(self.process_group), _collectives.global_axes(what), what
+        )
+        if self.fragments == 1:
+            return [(group, None, True)]
+        return [
+            (group, _fragments.Fragment(k, self.fragments), True) for k in range(self.fragments)
+        ]
+
+
+PeriodicModelAverager.__doc__ = (PeriodicModelAverager.__doc__ or "").format(options=_OPTIONS_DOC)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # equality: _Averager._identity
+class HierarchicalModelAverager(_Averager):
+    """Averages over nested groups, each at its own period (e.g. node, pod, world).
+
+    The JAX form of PyTorch's ``HierarchicalModelAverager``: a call at step ``s`` with
+    ``s >= warmup_steps`` takes the LARGEST period with ``s % period == 0`` (``s``, not
+    ``s - warmup_steps``, unlike the periodic averager) and averages over that period's
+    group only. At most one group's collective runs per step (one ``lax.switch``).
+
+    Args:
+      period_group_dict: maps each period to its group's mesh axes (an axis name, a tuple
+        of names, or an IndexGroups), smallest period and group first; groups nested;
+        the last one the global axes (or None for every bound mapped axis).
+      warmup_steps: steps before the first average (>= 0).
+      process_group: the global axes, to check the last group against at construction;
+        None: checked where it runs, against every bound mapped axis.
+      nonfinite, outer_optimizer, communication_dtype, delta, communication, delay: as
+        for PeriodicModelAverager; the outer optimizer and the delay act at the global
+        (last) level, and the anchor is the params at the last global average (``delta``
+        averages the change since it at every level).
+
+    Example:
+      >>> import lsgd_jax
+      >>> avg = lsgd_jax.HierarchicalModelAverager(
+      ...     {2: "local", 4: ("node", "local")}, warmup_steps=2)
+      >>> [avg.level(s) for s in range(9)]
+      [0, 0, 1, 0, 2, 0, 1, 0, 2]
+    """
+
+    period_group_dict: Mapping[int, GroupSpec]
+    warmup_steps: int = 0
+    process_group: GroupSpec = None
+    nonfinite: str = _options()["nonfinite"]
+    outer_optimizer: Any = _options()["outer_optimizer"]
+    outer_skip_first: bool = _options()["outer_skip_first"]
+    communication_dtype: Any = _options()["communication_dtype"]
+    delta: bool = _options()["delta"]
+    communication: Any = _options()["communication"]
+    delay: int = _options()["delay"]
+    offload_state: bool | None = _options()["offload_state"]
+
+    def __post_init__(self) -> None:
+        _check_options(self)
+        d = self.period_group_dict
+        if not isinstance(d, Mapping) or not d:
+            raise ValueError(
+                f"period_group_dict must be a non-empty dict of period -> group axes, got "
+                f"{d!r}; e.g. {{4: 'local', 16: ('node', 'local')}}."
+            )
+        periods = [_validate.positive_int(p, f"period {p!r} in period_group_dict") for p in d]
+        if any(b <= a for a, b in zip(periods, periods[1:])):
+            raise ValueError(
+                f"The periods of period_group_dict must be strictly increasing (smallest "
+                f"group first), got {periods}; order the dict by period."
+            )
+        groups = [_collectives.normalize_group(g, f"group of period {p}") for p, g in d.items()]
+        if None in groups[:-1]:
+            raise ValueError(
+                "Only the last (global) group of period_group_dict may be None; name the "
+                f"axes of the others, got {dict(zip(periods, groups))}."
+            )
+        warmup = _validate.nonnegative_int(self.warmup_steps, "warmup_steps")
+        object.__setattr__(self, "warmup_steps", warmup)
+        schedule = HierarchicalSchedule(tuple(periods), warmup, self.delay)
+        object.__setattr__(self, "_schedule", schedule)
+        object.__setattr__(self, "period_group_dict", tuple(zip(periods, groups)))
+        pg = _collectives.normalize_group(self.process_group, "process_group")
+        object.__setattr__(self, "process_group", pg)
+        self._check_groups(groups, pg)
+        if periods[-1] == 1:
+            warnings.warn(_PERIOD_ONE, stacklevel=3)
+        logger.info("Model averaging hierarchy:")
+        for p, g in zip(periods, groups):
+            logger.info(
+                "\tEach group over axes %s averages parameters every %s iterations, if no "
+                "higher-level averaging.",
+                g if g is not None else "(all)",
+                p,
+            )
+
+    @staticmethod
+    def _check_groups(groups: Sequence[Group | None], global_group: Group | None) -> None:
+        for small, big in zip(groups, groups[1:]):
+            if small is not None and big is not None and not _collectives.group_covers(small, big):
+                raise ValueError(
+                    f"The groups of period_group_dict must be nested (each inside the next), "
+                    f"but {small!r} is not inside {big!r}."
+                )
+        last = groups[-1]
+        covers = _collectives.group_covers
+        if global_group is not None and last is not None:
+            if not (covers(last, global_group) and covers(global_group, last)):  # same group
+                raise ValueError(
+                    f"The last group of period_group_dict must be the global group "
+                    f"{global_group!r}, got {last!r}; add a level for the global axes (when "
+                    "the shard_map is also manual over a model axis, pass "
+                    "process_group=<the data axes>)."
+                )
+
+    @property
+    def sync_schedule(self) -> HierarchicalSchedule:
+        """The schedule, a HierarchicalSchedule of the periods.
+
+        Example:
+          >>> import lsgd_jax
+          >>> lsgd_jax.HierarchicalModelAverager({2: "local", 8: ("node", "local")}).cycle
+          8
+        """
+        return self._schedule  # type: ignore[attr-defined]
+
+    @property
+    def periods(self) -> tuple[int, ...]:
+        """The periods, in increasing order."""
+        return tuple(p for p, _ in self._levels)
+
+    @property
+    def groups(self) -> tuple[Group | None, ...]:
+        return tuple(g for _, g in self._levels)
+
+    @property
+    def _levels(self) -> tuple[tuple[int, Group | None], ...]:
+        """``period_group_dict`` as ``__post_init__`` stores it: (period, group) pairs."""
+        return cast(tuple[tuple[int, Group | None], ...], self.period_group_dict)
+
+    def level(self, step: Any) -> Any:
+        """Which group a call at ``step`` averages: 0 for none, k for the k-th (1-based).
+
+        Args:
+          step: the averager's step count (int or int array).
+
+        Returns:
+          The level, of the same kind as ``step``.
+
+        Example:
+          >>> import lsgd_jax
+          >>> avg = lsgd_jax.HierarchicalModelAverager({1: "local", 3: ("node", "local")})
+          >>> [avg.level(s) for s in range(4)]
+          [2, 1, 1, 2]
+        """
+        return self.sync_schedule.level(step)
+
+    def _first_global_step(self, fragment: int) -> int:
+        """The step of the first global average (the first multiple of the last period
+        from the warm-up on); ``fragment`` is 0."""
+        del fragment
+        period = self.periods[-1]
+        return -(-self.warmup_steps // period) * period
+
+    def _branch_groups(self) -> list[tuple[Group, Any, bool]]:
+        what = "HierarchicalModelAverager"
+        default = _collectives.global_axes(what)
+        global_group = _collectives.resolve(
+            _normalized(self.process_group), default, what + " (process_group)"
+        )
+        groups = [_collectives.resolve(g, lambda: global_group, what) for g in self.groups]
+        self._check_groups(groups, global_group)
+        return [(g, None, k == len(groups) - 1) for k, g in enumerate(groups)]
+
+
+Averager = Union[PeriodicModelAverager, HierarchicalModelAverager]
+
+
+def check_averager(averager: Any, what: str) -> None:
+    """Raises TypeError unless ``averager`` is one of ours."""
+    if not isinstance(averager, _Averager):
+        raise TypeError(
+            f"{what} expects a PeriodicModelAverager or HierarchicalModelAverager, got "
+            f"{averager!r}."
+        )

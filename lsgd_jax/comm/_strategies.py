@@ -1,0 +1,587 @@
+"""How a mean travels: communication strategies for the hook and the averagers.
+
+A strategy takes the mean of a pytree over a group of replicas (mesh axes, or an
+IndexGroups under ``pmap``) inside ``shard_map``/``pmap``. The hook
+(:func:`~lsgd_jax.post_local_sgd`, ``communication=``) uses it for the gradient means,
+the averagers (``communication=``) for the model averages; both only call
+``strategy.mean(...)``, so a new way to communicate is a new strategy, not a change to
+them.
+
+- :func:`flat`: one all-reduce of every floating leaf (PyTorch's behaviour; the default).
+- :func:`finite_only`: the same all-reduce with a finiteness flag riding along, so that
+  a replica with NaN/Inf values is left out (``"exclude"``) or its group does not
+  average (``"skip"``).
+- :func:`compressed`: the values travel in a narrower dtype (bfloat16), summed in
+  float32 (an all-to-all and an all-gather: half the bytes of a float32 all-reduce).
+- :func:`two_level`: a global mean as reduce-scatter inside the node, all-reduce across
+  nodes, all-gather inside the node: each value crosses the slow link about once.
+- :func:`quantized`: the values travel as 8- or 4-bit integers with per-block scales
+  (about a quarter or an eighth of the float32 bytes), with error feedback: what
+  rounding dropped is kept per replica and sent with the next mean.
+
+Every strategy keeps each leaf's dtype and varying-axes type (so a mean can sit in one
+branch of a ``lax.cond``), averages floating and complex leaves only, sums narrow
+floats in float32, and gives an empty leaf back as its own mean (a tree of empty leaves
+sends nothing). Strategies check their arguments when built, by the factory or the class.
+
+Example:
+  >>> import jax.numpy as jnp, optax, lsgd_jax
+  >>> tx = optax.chain(
+  ...     lsgd_jax.post_local_sgd(100, communication=lsgd_jax.comm.flat()),
+  ...     optax.sgd(0.1),
+  ...     lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(
+  ...         8, warmup_steps=100, communication=lsgd_jax.comm.compressed(jnp.bfloat16))),
+  ... )
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import functools
+import logging
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from lsgd_jax._core import _collectives, _validate
+from lsgd_jax._core._collectives import Group
+from lsgd_jax.comm import _quantize, _wire
+
+logger = logging.getLogger("lsgd_jax")
+
+NONFINITE_POLICIES = ("exclude", "skip")
+
+
+class Mean(NamedTuple):
+    """What a strategy's ``mean`` returns.
+
+    Attributes:
+      value: the averaged tree (each leaf in its own dtype and varying-axes type).
+      skipped: None when the strategy never skips (a static fact), else a bool scalar,
+        the same on every replica of the group: this group kept its own values
+        (``value`` is then the input tree).
+      state: the strategy's new state (None for stateless strategies).
+    """
+
+    value: Any
+    skipped: jax.Array | None
+    state: Any
+
+
+class Communication(abc.ABC):
+    """How the mean of a pytree over a group of replicas is computed and sent.
+
+    Subclasses are frozen dataclasses (hashable: they are static configuration) that
+    implement ``mean``; a strategy that keeps per-replica state (e.g. error feedback)
+    also implements ``init``.
+
+    Example:
+      >>> import jax.numpy as jnp, lsgd_jax
+      >>> strategy = lsgd_jax.comm.quantized(8)
+      >>> isinstance(strategy, lsgd_jax.comm.Communication)
+      True
+      >>> strategy.init({"w": jnp.ones(2)})  # its error-feedback residual, zeros
+      {'w': Array([0., 0.], dtype=float32)}
+    """
+
+    @abc.abstractmethod
+    def mean(
+        self, tree: Any, group: Group, state: Any = None, *, cast: bool = True, step: Any = None
+    ) -> Mean:
+        """The mean of ``tree``'s floating leaves over ``group``.
+
+        Args:
+          tree: this replica's values.
+          group: a resolved group (a tuple of bound mesh axes, or an IndexGroups).
+          state: this strategy's state (from ``init``), or None.
+          cast: give each leaf back its own varying-axes type (False keeps the
+            collective's narrower type, e.g. invariant for a global mean).
+          step: the caller's step count, for log messages.
+
+        Returns:
+          A :class:`Mean`.
+        """
+
+    @abc.abstractmethod
+    def init(self, tree: Any) -> Any:
+        """The initial state for values shaped like ``tree`` (None: stateless)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Flat(Communication):
+    """One all-reduce (a variadic ``psum``) of every floating leaf, divided by the group
+    size. See :func:`flat`.
+
+    Example:
+      >>> import lsgd_jax
+      >>> lsgd_jax.comm.flat() == lsgd_jax.comm.Flat()  # configuration, compared by value
+      True
+    """
+
+    def mean(self, tree, group, state=None, *, cast=True, step=None) -> Mean:
+        del step
+        return Mean(_collectives.mean(tree, group, cast), None, state)
+
+    def init(self, tree: Any) -> None:
+        del tree
+
+
+def _log_nonfinite(policy: str, step: Any, replica: Any, excluded: Any) -> None:
+    action = {
+        "exclude": "left out of the mean and given the mean of the finite replicas",
+        "skip": "so its group skipped this average and kept its local values",
+    }[policy]
+    logger.warning(
+        "Mean at step %s: replica %s has non-finite values (%s of its group non-finite); %s.",
+        int(step) if step is not None else "?",
+        int(replica),
+        int(excluded),
+        action,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class FiniteOnly(Communication):
+    """A mean that leaves out, or skips for, replicas with non-finite values.
+
+    See :func:`finite_only`.
+
+    Attributes:
+      policy: ``"exclude"`` or ``"skip"``.
+    """
+
+    policy: str = "exclude"
+
+    def __post_init__(self) -> None:
+        _validate.one_of(
+            self.policy,
+            "finite_only policy",
+            NONFINITE_POLICIES,
+            ": 'exclude' (average the finite replicas only) or 'skip' (no average for a "
+            "group with a NaN)",
+        )
+
+    def mean(self, tree, group, state=None, *, cast=True, step=None) -> Mean:
+        averaged, excluded, finite = _collectives.finite_mean(tree, group, cast)
+        if self.policy == "skip":
+            skipped = excluded > 0
+        else:
+            skipped = excluded >= _collectives.group_size(group)
+        averaged = jax.tree.map(lambda a, b: jnp.where(skipped, a, b), tree, averaged)
+        if logger.isEnabledFor(logging.WARNING):  # else no host callback in the program
+            axes = _collectives.bound_axes()
+            replica = lax.axis_index(axes) if axes else jnp.zeros([], jnp.int32)
+            where = jnp.zeros([], jnp.int32) if step is None else step
+            lax.cond(
+                finite,
+                lambda: None,
+                lambda: jax.debug.callback(
+                    functools.partial(_log_nonfinite, self.policy), where, replica, excluded
+                ),
+            )
+        return Mean(averaged, skipped, state)
+
+    def init(self, tree: Any) -> None:
+        del tree
+
+
+def _narrow_dtype(value: Any) -> Any:
+    """``value`` as a floating dtype narrower than float32 (what ``compressed`` sends)."""
+    if value is None:
+        raise ValueError(
+            "compressed: dtype must be a floating dtype narrower than float32, got None; "
+            "use e.g. jnp.bfloat16."
+        )
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError as e:
+        raise ValueError(
+            f"compressed: {value!r} is not a dtype; use a floating dtype narrower than "
+            "float32, e.g. jnp.bfloat16."
+        ) from e
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"communication_dtype must be a floating dtype such as jnp.bfloat16, got {value!r}."
+        )
+    if dtype.itemsize >= 4:
+        raise ValueError(
+            f"compressed: the dtype on the wire must be narrower than float32 (the values "
+            f"are summed in float32, so {dtype.name} would save nothing), got {dtype.name}; "
+            "use jnp.bfloat16 (or jnp.float16), or comm.flat() for an exact mean."
+        )
+    return dtype
+
+
+def _check_inner_axis(value: Any, what: str) -> None:
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{what}: inner_axis must be a mesh axis name (a str such as 'local'), got {value!r}."
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Compressed(Communication):
+    """A mean sent in a narrower floating dtype and summed in float32.
+
+    See :func:`compressed`.
+
+    Attributes:
+      dtype: the dtype on the wire, e.g. ``jnp.bfloat16``.
+    """
+
+    dtype: Any = jnp.bfloat16
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", _narrow_dtype(self.dtype))
+
+    def mean(self, tree, group, state=None, *, cast=True, step=None) -> Mean:
+        del step
+        return Mean(_wire.narrow_mean(tree, group, self.dtype, cast), None, state)
+
+    def init(self, tree: Any) -> None:
+        del tree
+
+
+def apply(
+    strategy: Communication,
+    tree: Any,
+    group: Group,
+    state: Any = None,
+    *,
+    cast: bool = True,
+    step: Any = None,
+) -> Mean:
+    """``strategy.mean(...)``, with each leaf given back its dtype (and, with ``cast``,
+    its varying-axes type): what the hook and the averagers call, so that a strategy
+    written elsewhere need not restore types itself.
+
+    Args:
+      strategy: a :class:`Communication`.
+      tree, group, state, cast, step: as for :meth:`Communication.mean`.
+
+    Returns:
+      A :class:`Mean`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, lsgd_jax
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = lsgd_jax.make_mesh(2, 2)
+      >>> f = jax.jit(jax.shard_map(
+      ...     lambda x: lsgd_jax.comm.apply(lsgd_jax.comm.flat(), x, ("node", "local")).value,
+      ...     mesh=mesh, in_specs=P(("node", "local")), out_specs=P(("node", "local"))))
+      >>> f(jnp.arange(4.0))
+      Array([1.5, 1.5, 1.5, 1.5], dtype=float32)
+    """
+    out = strategy.mean(tree, group, state, cast=cast, step=step)
+    value = jax.tree.map(lambda v, x: jnp.asarray(v).astype(jnp.result_type(x)), out.value, tree)
+    if cast:
+        value = _collectives.cast_tree_like(value, tree)
+    return Mean(value, out.skipped, out.state)
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoLevel(Communication):
+    """A mean over a group that spans nodes, in two levels. See :func:`two_level`.
+
+    Attributes:
+      inner_axis: the mesh axis of one node's devices.
+    """
+
+    inner_axis: str = "local"
+
+    def __post_init__(self) -> None:
+        _check_inner_axis(self.inner_axis, "two_level")
+
+    def mean(self, tree, group, state=None, *, cast=True, step=None) -> Mean:
+        del step
+        return Mean(_wire.two_level_mean(tree, group, self.inner_axis, cast), None, state)
+
+    def init(self, tree: Any) -> None:
+        del tree
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantized(Communication):
+    """A mean sent as small integers with per-block scales. See :func:`quantized`.
+
+    Attributes:
+      bits: 8 or 4, the width of each value on the wire.
+      block_size: values per float32 scale.
+      error_feedback: keep each replica's rounding error and send it with the next mean.
+      two_level: over a group that spans nodes, reduce in float32 inside the node first,
+        so only the node's shard travels (quantized) across nodes.
+      inner_axis: the mesh axis of one node's devices (for ``two_level``).
+    """
+
+    bits: int = 8
+    block_size: int = 64
+    error_feedback: bool = True
+    two_level: bool = False
+    inner_axis: str = "local"
+
+    def __post_init__(self) -> None:
+        bits, block = _quantize.check_bits_and_block(self.bits, self.block_size)
+        object.__setattr__(self, "bits", bits)
+        object.__setattr__(self, "block_size", block)
+        for flag in ("error_feedback", "two_level"):
+            value = _validate.boolean(getattr(self, flag), f"quantized: {flag}")
+            object.__setattr__(self, flag, value)
+        _check_inner_axis(self.inner_axis, "quantized")
+
+    def mean(self, tree, group, state=None, *, cast=True, step=None) -> Mean:
+        del step
+        value, state = _quantize.quantized_mean(
+            tree,
+            group,
+            state,
+            bits=self.bits,
+            block_size=self.block_size,
+            two_level_inner=self.inner_axis if self.two_level else None,
+            cast=cast,
+        )
+        return Mean(value, None, state)
+
+    def init(self, tree: Any) -> Any:
+        """Zeros shaped like ``tree`` (the residual), or None without error feedback."""
+        if not self.error_feedback:
+            return None
+        if tree is None:
+            raise ValueError(
+                "quantized(error_feedback=True) keeps a residual shaped like the params on "
+                "every replica, so its state needs them: create the averager's state with "
+                "averager.init(params) (or model_averaging(averager).init(params)), or use "
+                "quantized(error_feedback=False)."
+            )
+        return _quantize.zeros_state(tree)
+
+
+def flat() -> Flat:
+    """Today's default: one all-reduce of all floating leaves, divided by the group size.
+
+    Leaves narrower than float32 are summed in float32 and rounded once; integer and
+    boolean leaves pass unchanged. Exactly PyTorch's averaging.
+
+    Returns:
+      A :class:`Communication`.
+
+    Example:
+      >>> import lsgd_jax
+      >>> avg = lsgd_jax.PeriodicModelAverager(4, communication=lsgd_jax.comm.flat())
+      >>> avg.communication
+      Flat()
+    """
+    return Flat()
+
+
+def finite_only(policy: str = "exclude") -> FiniteOnly:
+    """A mean robust to a replica whose values went NaN/Inf.
+
+    ``"exclude"``: the mean of the finite replicas only, which every replica of the group
+    receives (the non-finite ones are healed); if no replica is finite, nothing changes.
+    ``"skip"``: a group with a non-finite replica does not average this time. Either way
+    still one all-reduce (the finiteness flag rides along), and a warning naming the
+    replica and step is logged through the ``"lsgd_jax"`` logger (a host callback,
+    compiled in while that logger is enabled for WARNING at trace time). A skipped
+    average changes nothing but the step count (see the averagers).
+
+    Args:
+      policy: ``"exclude"`` or ``"skip"``.
+
+    Returns:
+      A :class:`Communication`.
+
+    Example:
+      >>> import lsgd_jax
+      >>> lsgd_jax.comm.finite_only("skip")
+      FiniteOnly(policy='skip')
+    """
+    return FiniteOnly(policy)
+
+
+def two_level(inner_axis: str = "local") -> TwoLevel:
+    """A global mean in two levels, so that each value crosses the slow link about once.
+
+    Reduce-scatter inside each node (over ``inner_axis``: every device gets the node's
+    sum of one shard of the values), all-reduce of the shards across nodes (the only
+    step that crosses nodes, carrying 1 / (devices per node) of the values per device),
+    all-gather inside the node. A flat ring all-reduce over every device instead puts
+    about 2 (n - 1) / n of the values per device on whichever links the ring crosses
+    (1.75x the params on the node-to-node link, measured with gloo on 2 x 4 devices).
+    A mean inside one node (the hook's node-local phase, a ``"local"`` level) stays one
+    all-reduce, and so does a mean over an :class:`~lsgd_jax.IndexGroups` group
+    (``pmap``). Exact up to the order of the float32 sums. An ``inner_axis`` that is not
+    a mesh axis where the mean runs raises a ValueError. Empty leaves are their own mean.
+
+    Args:
+      inner_axis: the mesh axis of one node's devices (``"local"`` in :func:`~lsgd_jax.make_mesh`).
+
+    References:
+      Jia et al., `Highly Scalable Deep Learning Training System with Mixed-Precision:
+      Training ImageNet in Four Minutes <https://arxiv.org/abs/1807.11205>`_, 2018
+      (hierarchical all-reduce).
+
+    Returns:
+      A :class:`Communication`.
+
+    Example:
+      >>> import lsgd_jax
+      >>> tx = lsgd_jax.post_local_sgd(100, communication=lsgd_jax.comm.two_level())
+    """
+    return TwoLevel(inner_axis)
+
+
+def compressed(dtype: Any = jnp.bfloat16) -> Compressed:
+    """A mean sent in ``dtype`` (e.g. bfloat16) and summed in float32.
+
+    The floating leaves are flattened into one buffer (complex ones as their real and
+    imaginary parts), cast to ``dtype`` and split into one chunk per replica; an
+    all-to-all hands each replica its chunk from every peer, which it sums in float32;
+    an all-gather of the chunk means, again in ``dtype``, returns the whole mean to
+    everyone: about half the bytes of a float32 ring all-reduce, and every replica of
+    the group gets the same (``dtype``-rounded) result.
+
+    Args:
+      dtype: a floating dtype narrower than float32, e.g. ``jnp.bfloat16`` or
+        ``jnp.float16`` (float32 or wider would save nothing: a ValueError).
+
+    Returns:
+      A :class:`Communication`.
+
+    Example:
+      >>> import jax.numpy as jnp, lsgd_jax
+      >>> lsgd_jax.comm.compressed(jnp.bfloat16).dtype
+      dtype(bfloat16)
+    """
+    return Compressed(dtype)
+
+
+def quantized(
+    bits: int = 8,
+    block_size: int = 64,
+    error_feedback: bool = True,
+    two_level: bool = False,
+    inner_axis: str = "local",
+) -> Quantized:
+    """A mean sent as ``bits``-bit integers with one float32 scale per block.
+
+    The floating leaves are flattened into one float32 buffer (with error feedback, plus
+    this replica's residual), cut into one chunk per replica and each chunk into blocks
+    of ``block_size`` values (fewer when a chunk is shorter: a block is never longer than
+    a chunk, so padding stays below one block per chunk); a block ``x`` travels as ``q =
+    round(x / s)``, ``s = max|x| / qmax`` (``qmax`` 127 for 8 bits, 7 for 4 bits), so each
+    value is within ``s / 2``. Like :func:`compressed`, the mean is an ``all_to_all``
+    (each replica receives its chunk from every peer, dequantizes and sums it in
+    float32) and an ``all_gather`` of the chunk means, quantized again; every replica
+    decodes the same bytes, so all end bitwise identical. The error of one mean is at
+    most the average over the replicas of ``s / 2`` of their blocks plus ``s / 2`` of the
+    mean's block.
+
+    Nobody is special: a replica's own chunk is quantized like the ones it sends, so a
+    mean is a function of the multiset of the replicas' inputs (values plus residuals)
+    and does not depend on the device order of the mesh (which replica sums which chunk
+    is its axis position), up to the order of the float32 sums. The one thing position
+    decides is where a chunk mean's stage-2 rounding error is kept: only the replica that
+    summed the chunk knows it (see error feedback below). So with error feedback, the
+    same run on a mesh listing its devices in another order gives the same first mean
+    and means that telescope to the same total, but later means may differ by roundings.
+
+    Wire bytes per value: ``bits / 8 + 4 / block_size`` (1.0625 for int8, 0.5625 for
+    4 bits, with blocks of 64) in each of the two collectives, so about ``2 (g - 1) / g x
+    (bits / 8 + 4 / block_size)`` per value and device for a group of ``g``, against
+    ``2 (g - 1) / g x 4`` for a float32 ring all-reduce: 0.27x (int8) and 0.14x (4-bit).
+    Where the integers would put as many bytes on the link they cross as the float32
+    values or more (a tree of a few values per replica, a group of one replica), the mean
+    is sent in float32 instead: exact, and the residual becomes zero. One level: one
+    float32 all-reduce. ``two_level``: what crosses nodes decides, and the float32 mean is
+    :func:`two_level`'s (only its shards cross nodes), so a quantized two-level mean
+    never puts more bytes across nodes than :func:`two_level` for the same tree (wire
+    bytes, as ``communication_report`` counts them); on a single node (nothing crosses)
+    it is one all-reduce. Decided once per tree, in Python, when the mean is traced.
+
+    Error feedback (Seide et al., 2014; Karimireddy et al., 2019): each replica keeps
+    what its rounding dropped (its stage-1 error on every chunk, and ``g`` times the
+    stage-2 error of the chunk mean it computed, as in the worker and server errors of
+    1-bit Adam's compressed all-reduce) and adds it to its values before the next mean.
+    The means then telescope: over many averages, the total differs from the exact one by
+    one residual, instead of a sum of roundings that grows with the number of averages
+    (and that, with updates smaller than half a step of the grid, loses them entirely).
+    The residual is the strategy's state: an averager keeps it params-shaped in
+    ``ModelAveragerState.comm_state`` (created by ``averager.init(params)``, cut like the
+    params for fragments, checkpointed with the rest); the hook keeps it shaped like the
+    gradients in ``PostLocalSGDState.comm_state`` (created by
+    ``post_local_sgd(...).init(params)``) and sends whichever mean it takes with it.
+
+    ``two_level=True``: over a group that holds ``inner_axis`` and more axes, a float32
+    reduce-scatter inside the node (exact and node-local), the quantized mean across
+    nodes of this device's shard of the node's sum (the only traffic that crosses nodes:
+    ``1 / size(inner_axis)`` of the buffer, as integers), a float32 all-gather inside
+    the node. The residual is then this device's shard's: zero elsewhere (and where in
+    the node it sits does not matter: the node sums it first). A group without
+    ``inner_axis`` (e.g. ``("node",)``: one device of each node) takes the one-level
+    path. An :class:`~lsgd_jax.IndexGroups` group (``pmap``) uses the one-level path
+    with ``axis_index_groups``. An ``inner_axis`` that is not a mesh axis where the mean runs
+    is an error (a misspelling would otherwise quietly send every mean in one level).
+
+    NaN and Inf propagate: a non-finite value anywhere in a block makes its block's scale
+    NaN, so that block of the mean is NaN on every replica (use :func:`finite_only` to
+    leave a diverged replica out instead). The residual stays finite. (A mean sent in
+    float32, see above, propagates them value by value, as :func:`flat` does.)
+
+    Args:
+      bits: 8 (int8) or 4 (two values per byte).
+      block_size: values per scale, a positive int (even for 4 bits), at most 2**24.
+        Smaller blocks follow the values' magnitudes more closely and cost ``4 /
+        block_size`` bytes per value.
+      error_feedback: keep the residual (needs the params at init:
+        ``averager.init(params)``, ``post_local_sgd(...).init(params)``).
+      two_level: reduce inside the node in float32 first; quantize only across nodes.
+        A mean over the node's axis alone (a hierarchy's node level) is then a plain
+        float32 all-reduce, and leaves the residual alone.
+      inner_axis: the mesh axis of one node's devices (``"local"`` in :func:`~lsgd_jax.make_mesh`).
+
+    Returns:
+      A :class:`Communication`.
+
+    Example:
+      >>> import jax.numpy as jnp, lsgd_jax
+      >>> avg = lsgd_jax.PeriodicModelAverager(
+      ...     8, communication=lsgd_jax.comm.quantized(bits=4, two_level=True))
+      >>> state = avg.init({"w": jnp.ones(3)})
+      >>> state.comm_state
+      {'w': Array([0., 0., 0.], dtype=float32)}
+
+    References:
+      Seide, Fu, Droppo, Li, Yu, "1-Bit Stochastic Gradient Descent and its Application
+      to Data-Parallel Distributed Training of Speech DNNs", Interspeech 2014.
+      Karimireddy, Rebjock, Stich, Jaggi, "Error Feedback Fixes SignSGD and other
+      Gradient Compression Schemes", ICML 2019, https://arxiv.org/abs/1901.09847.
+      Tang, Gan, Awan, Rajbhandari, Li, Lian, Liu, Zhang, He, "1-bit Adam: Communication
+      Efficient Large-Scale Training with Adam's Convergence Speed", ICML 2021,
+      https://arxiv.org/abs/2102.02888.
+      Jaghouar et al., "INTELLECT-1 Technical Report", 2024 (int8 all-reduce of the
+      outer pseudo-gradients), https://arxiv.org/abs/2412.01152.
+      Douillard et al., "Streaming DiLoCo with overlapping communication: Towards a
+      Distributed Free Lunch", 2025 (4-bit outer gradients),
+      https://arxiv.org/abs/2501.18512.
+    """
+    return Quantized(bits, block_size, error_feedback, two_level, inner_axis)
+
+
+__all__ = [
+    "Communication",
+    "Compressed",
+    "FiniteOnly",
+    "Flat",
+    "Mean",
+    "Quantized",
+    "TwoLevel",
+    "apply",
+    "compressed",
+    "finite_only",
+    "flat",
+    "quantized",
+    "two_level",
+]

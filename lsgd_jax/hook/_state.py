@@ -1,0 +1,254 @@
+"""PostLocalSGDState: the step count of the post-local SGD hook, and its logging rule."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from lsgd_jax._core import _collectives, _validate
+from lsgd_jax._core._collectives import GroupSpec
+from lsgd_jax._core._struct import Struct, static_field
+
+logger = logging.getLogger("lsgd_jax")
+
+_META = ("process_group", "subgroup", "start_localSGD_iter", "post_local_gradient_allreduce")
+
+
+def _log_start(iteration: Any) -> None:
+    logger.info("Start to apply local SGD after %s iterations.", int(iteration))
+
+
+def _check_communication(communication: Any, what: str) -> Any:
+    """None (the default all-reduce) or a lsgd_jax.comm strategy."""
+    from lsgd_jax import comm
+
+    if communication is not None and not isinstance(communication, comm.Communication):
+        raise TypeError(
+            f"{what}: communication must be a lsgd_jax.comm strategy (e.g. "
+            f"lsgd_jax.comm.flat()), got {communication!r}."
+        )
+    return communication
+
+
+def keeps_residual(communication: Any) -> bool:
+    """Whether ``communication`` keeps per-replica state (error feedback) for the values
+    it averages, which the hook then carries in ``PostLocalSGDState.comm_state``."""
+    return communication is not None and communication.init({"g": jnp.zeros(2)}) is not None
+
+
+def _register(cls: Any) -> Any:
+    """Registers the state as a pytree: children ``iter`` and, only when it is not None,
+    ``comm_state``; the other fields are static metadata.
+
+    So a state without error feedback has exactly the tree structure it had before the
+    hook could keep a residual (checkpoints saved then restore without a structure
+    warning), and one with it has the residual's leaves under ``.comm_state``.
+    """
+    meta = tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("static"))
+    keys = (jax.tree_util.GetAttrKey("iter"), jax.tree_util.GetAttrKey("comm_state"))
+
+    def children(x: Any) -> list[Any]:
+        return [x.iter] if x.comm_state is None else [x.iter, x.comm_state]
+
+    def flatten_with_keys(x: Any) -> tuple[list[tuple[Any, Any]], tuple[Any, ...]]:
+        return list(zip(keys, children(x))), tuple(getattr(x, n) for n in meta)
+
+    def flatten(x: Any) -> tuple[list[Any], tuple[Any, ...]]:
+        return children(x), tuple(getattr(x, n) for n in meta)
+
+    def unflatten(aux: tuple[Any, ...], kids: Any) -> Any:
+        kids = list(kids)
+        fields = dict(zip(meta, aux), iter=kids[0], comm_state=kids[1] if len(kids) > 1 else None)
+        obj = object.__new__(cls)
+        for name, value in fields.items():
+            object.__setattr__(obj, name, value)
+        return obj
+
+    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+    cls.__setattr__ = Struct.__setattr__
+    cls.__delattr__ = Struct.__delattr__
+    return cls
+
+
+@_register
+@dataclasses.dataclass(frozen=True, init=False, eq=False, repr=False)
+class PostLocalSGDState(Struct):
+    """The state of :func:`post_localSGD_hook`: a step count and where to average.
+
+    An immutable pytree. Its array leaves are ``iter`` (an int32 scalar, 0 at
+    construction), which counts the steps that averaged gradients globally (it stops
+    growing at ``start_localSGD_iter``, as in PyTorch), and, only with a communication
+    strategy that keeps error feedback (``comm.quantized()``), the residual
+    ``comm_state``, created by :meth:`init`. Everything else is static metadata, so the
+    state can be a ``jax.jit`` argument, an optax state and a ``lax.scan`` carry, and
+    its tree structure follows from its configuration alone.
+
+    Construction logs ``"Local SGD will be started after N iterations"`` through the
+    ``logging`` logger ``"lsgd_jax"``.
+
+    Attributes:
+      process_group: the mesh axes of the global group, as a tuple, or an IndexGroups;
+        ``None`` means every mapped axis bound where the hook runs (every manual axis of
+        the enclosing ``jax.shard_map``, or the ``jax.pmap`` axis).
+      subgroup: the axes of one node's group; ``None`` means ``("local",)``, the
+        intra-node axis of :func:`make_mesh`. Under ``jax.pmap`` pass an IndexGroups.
+      start_localSGD_iter: the number of globally averaged steps before local SGD starts.
+      post_local_gradient_allreduce: whether gradients are still averaged inside the
+        subgroup after the switch (``False``: they are left untouched).
+      iter: int32 scalar array, the step count.
+      communication: how the gradient means travel: a ``lsgd_jax.comm`` strategy, or
+        None for one all-reduce (``comm.flat()``, PyTorch's). Keyword-only, after
+        PyTorch's positional signature.
+      pinned_phase: None, or (static) the phase the hook takes whatever ``iter`` says:
+        set by whoever specializes a step per phase (see :func:`phase_index`), in the
+        state's static metadata so that every trace cache keys on it.
+      comm_state: None, or the communication strategy's per-replica state: with
+        ``comm.quantized(error_feedback=True)``, the error-feedback residual, float32
+        zeros shaped like the gradients from :meth:`init`, what rounding dropped from
+        this replica's gradients and is sent with its next mean. Per replica: pass the
+        state with a leading replica axis (``data_parallel_step`` does). Checkpointed
+        with the rest (a leaf path ending in ``.comm_state``).
+
+    Example:
+      >>> import lsgd_jax
+      >>> state = lsgd_jax.PostLocalSGDState(None, "local", start_localSGD_iter=2)
+      >>> int(state.iter), state.subgroup
+      (0, ('local',))
+      >>> int(state.maybe_increase_iter().maybe_increase_iter().iter)
+      2
+    """
+
+    iter: jax.Array
+    process_group: Any = static_field()
+    subgroup: Any = static_field()
+    start_localSGD_iter: int = static_field()
+    post_local_gradient_allreduce: bool = static_field()
+    communication: Any = static_field()
+    pinned_phase: int | None = static_field()
+    comm_state: Any = None
+
+    def __init__(
+        self,
+        process_group: GroupSpec,
+        subgroup: GroupSpec,
+        start_localSGD_iter: int,
+        post_local_gradient_allreduce: bool = True,
+        *,
+        communication: Any = None,
+    ) -> None:
+        start = _validate.nonnegative_int(start_localSGD_iter, "start_localSGD_iter")
+        fields = {
+            "iter": jnp.zeros([], jnp.int32),
+            "process_group": _collectives.normalize_group(process_group, "process_group"),
+            "subgroup": _collectives.normalize_group(subgroup, "subgroup"),
+            "start_localSGD_iter": start,
+            "post_local_gradient_allreduce": _validate.boolean(
+                post_local_gradient_allreduce, "post_local_gradient_allreduce"
+            ),
+            "communication": _check_communication(communication, "PostLocalSGDState"),
+            "pinned_phase": None,
+            "comm_state": None,
+        }
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+        logger.info("Local SGD will be started after %s iterations", start)
+
+    def init(self, params: Any = None) -> PostLocalSGDState:
+        """The initial state (``iter`` 0) with the communication strategy's state for
+        gradients shaped like ``params``: a zero residual with ``comm.quantized()``'s
+        error feedback, None otherwise. ``post_local_sgd(...).init(params)`` calls it.
+
+        Args:
+          params: the params (or any tree shaped like the gradients); needed only when
+            the strategy keeps error feedback.
+
+        Returns:
+          A new PostLocalSGDState.
+
+        Example:
+          >>> import jax.numpy as jnp, lsgd_jax
+          >>> state = lsgd_jax.PostLocalSGDState(
+          ...     None, "local", 4, communication=lsgd_jax.comm.quantized(8))
+          >>> state.init({"w": jnp.ones(3)}).comm_state
+          {'w': Array([0., 0., 0.], dtype=float32)}
+        """
+        fresh = jnp.zeros([], jnp.int32)
+        if not keeps_residual(self.communication):
+            return self.replace(iter=fresh, comm_state=None)
+        if params is None:
+            raise ValueError(
+                f"post_localSGD_hook: {self.communication!r} keeps an error-feedback "
+                "residual shaped like the gradients on every replica, so the hook's state "
+                "needs them: create it with state.init(params) (or "
+                "post_local_sgd(...).init(params)), or use error_feedback=False."
+            )
+        return self.replace(iter=fresh, comm_state=self.communication.init(params))
+
+    @property
+    def num_phases(self) -> int:
+        """The number of branches the hook has (2, global then node-local; or 1 when
+        ``start_localSGD_iter == 0``, node-local from the first step, no branch)."""
+        return 1 if self.start_localSGD_iter == 0 else 2
+
+    @property
+    def phase(self) -> jax.Array:
+        """This state's phase as an int32 scalar (1 before the switch, global mean; 0
+        after, node-local), from ``iter`` alone (the same on every replica).
+
+        Example:
+          >>> import lsgd_jax
+          >>> int(lsgd_jax.PostLocalSGDState(None, None, 2).phase)
+          1
+        """
+        if self.num_phases == 1:
+            return jnp.zeros([], jnp.int32)
+        return (self.iter < self.start_localSGD_iter).astype(jnp.int32)
+
+    @property
+    def local_sgd_started(self) -> jax.Array:
+        """Whether the hook now averages only inside the subgroup (a boolean scalar)."""
+        return self.iter >= self.start_localSGD_iter
+
+    def maybe_increase_iter(self) -> PostLocalSGDState:
+        """Returns the state after one more globally averaged step.
+
+        ``iter`` grows by one (saturating, never wrapping). When it reaches
+        ``start_localSGD_iter`` this logs, once, ``"Start to apply local SGD after N
+        iterations."`` through the ``"lsgd_jax"`` logger. Under ``jax.jit`` the message
+        comes from a ``jax.debug.callback`` on the first replica only, in a ``lax.cond``
+        that holds no collective; it is compiled in only when that logger is enabled for
+        INFO at trace time (configure logging before the first step is traced), so by
+        default the program holds no host callback (and ``jax.export`` works).
+
+        Returns:
+          A new PostLocalSGDState.
+
+        Example:
+          >>> import lsgd_jax
+          >>> s = lsgd_jax.PostLocalSGDState(None, None, 1).maybe_increase_iter()
+          >>> int(s.iter)
+          1
+        """
+        new_iter = optax.safe_increment(self.iter)
+        reached = new_iter == self.start_localSGD_iter
+        if isinstance(reached, jax.core.Tracer):
+            if not logger.isEnabledFor(logging.INFO):
+                return self.replace(iter=new_iter)  # no host callback in the program
+            axes = _collectives.bound_axes()
+            if axes:
+                reached = reached & (lax.axis_index(axes) == 0)
+            lax.cond(reached, lambda: jax.debug.callback(_log_start, new_iter), lambda: None)
+        elif bool(reached):
+            _log_start(new_iter)
+        return self.replace(iter=new_iter)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in _META)
+        pin = "" if self.pinned_phase is None else f", pinned_phase={self.pinned_phase}"
+        return f"PostLocalSGDState(iter={self.iter!r}, {fields}{pin})"

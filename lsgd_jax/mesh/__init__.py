@@ -1,0 +1,28 @@
+"""Meshes, replicas and groups: one row of devices per node, per-replica values, and
+the checks that replicas agree."""
+
+from lsgd_jax._core._collectives import AxisNotBoundError
+from lsgd_jax._core._collectives import IndexGroups
+from lsgd_jax._core._collectives import node_groups
+from lsgd_jax.mesh._mesh import consensus
+from lsgd_jax.mesh._mesh import data_axes
+from lsgd_jax.mesh._mesh import make_mesh
+from lsgd_jax.mesh._mesh import replicate
+from lsgd_jax.mesh._mesh import unreplicate
+from lsgd_jax.mesh._sync import ReplicasOutOfSyncError
+from lsgd_jax.mesh._sync import assert_replicas_in_sync
+from lsgd_jax.mesh._sync import step_counters
+
+__all__ = [
+    "AxisNotBoundError",
+    "IndexGroups",
+    "ReplicasOutOfSyncError",
+    "assert_replicas_in_sync",
+    "consensus",
+    "data_axes",
+    "make_mesh",
+    "node_groups",
+    "replicate",
+    "step_counters",
+    "unreplicate",
+]

@@ -1,0 +1,485 @@
+"""When to average: schedules as small frozen values.
+
+A schedule says, for each call of an averager (its step count ``s``, from 0), which
+*level* averages: 0 for none, ``k`` for the k-th group (or fragment). It owns the rule,
+its number of levels, which level is global, the length of its cycle, how the step
+counter advances inside int32, and a plain-Python replay of the first steps that tests,
+benchmarks and examples use to count averages. The averagers hold one
+(``averager.sync_schedule``) and read it; they add the groups and the maths.
+
+- :class:`PeriodicSchedule`: PyTorch's ``PeriodicModelAverager`` rule, optionally in
+  ``fragments`` (Streaming DiLoCo).
+- :class:`HierarchicalSchedule`: PyTorch's ``HierarchicalModelAverager`` rule.
+- :class:`AdaptiveSchedule`: a period that is a function of the step (AdaComm); the
+  only one whose level depends on the step of the last average, not on ``s`` alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from lsgd_jax._core import _validate
+
+INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def _is_traced(*xs: Any) -> bool:
+    return any(isinstance(x, jax.Array) for x in xs)
+
+
+def _counter_overflow(message: str, step: Any) -> None:
+    del step  # always INT32_MAX: the message says so
+    raise OverflowError(message)
+
+
+def _period_name(period: Any) -> str:
+    """A callable period as a reader knows it: its qualified name (``<lambda>`` for a
+    lambda), not its repr with an address."""
+    name = getattr(period, "__qualname__", None)
+    return name.rsplit("<locals>.", 1)[-1] if isinstance(name, str) else repr(period)
+
+
+def _check_delay(delay: Any, limit: int, what: str) -> None:
+    _validate.nonnegative_int(delay, "delay")
+    if delay and delay >= limit:
+        raise ValueError(
+            f"delay={delay} must be below {what} ({limit}): one average in flight at a "
+            f"time; use delay <= {limit - 1}."
+        )
+
+
+class _Schedule:
+    """What every schedule offers; subclasses define ``level``, ``num_levels``, ``cycle``.
+
+    (A mixin of concrete helpers over the abstract rule: nothing here is overridden.)
+    """
+
+    warmup_steps: int
+    delay: int = 0
+    tracks_last_sync = False
+
+    @property
+    def num_levels(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def cycle(self) -> int | None:
+        raise NotImplementedError
+
+    def level(self, step: Any, last_sync: Any = None) -> Any:
+        raise NotImplementedError
+
+    def is_global(self, level: int) -> bool:
+        """Whether ``level`` is the widest group's (every fragment of a periodic one).
+
+        Example:
+          >>> from lsgd_jax.schedules._schedule import HierarchicalSchedule
+          >>> [HierarchicalSchedule((2, 8)).is_global(k) for k in range(3)]
+          [False, False, True]
+        """
+        raise NotImplementedError
+
+    @property
+    def num_phases(self) -> int:
+        """Branches of a call: "no average" and each level; with a ``delay``, each of
+        those with and without the landing of the average started ``delay`` calls ago."""
+        return (self.num_levels + 1) * (2 if self.delay else 1)
+
+    def lands(self, step: Any) -> Any:
+        """Whether a delayed global average started ``delay`` calls before ``step`` lands
+        at ``step`` (False without a delay)."""
+        if not self.delay:
+            return jnp.zeros([], bool) if _is_traced(step) else False
+        started = self.level(step - self.delay)
+        if _is_traced(started):
+            return (started > 0) & jnp.asarray(self._global_mask())[started]
+        return bool(started) and self.is_global(int(started))
+
+    def _global_mask(self) -> list[bool]:
+        return [bool(k) and self.is_global(k) for k in range(self.num_levels + 1)]
+
+    def phase(self, step: Any, last_sync: Any = None) -> Any:
+        """The branch of the call at ``step``: its level, plus ``num_levels + 1`` when a
+        delayed average lands there.
+
+        Example:
+          >>> from lsgd_jax.schedules._schedule import PeriodicSchedule
+          >>> [PeriodicSchedule(4, delay=2).phase(s) for s in range(7)]
+          [1, 0, 2, 0, 1, 0, 2]
+        """
+        level = self.level(step, last_sync)
+        if not self.delay:
+            return level
+        lands = self.lands(step)
+        if _is_traced(level, lands):
+            return (level + (self.num_levels + 1) * lands).astype(jnp.int32)
+        return int(level) + (self.num_levels + 1) * int(lands)
+
+    def replay(self, num_steps: int) -> np.ndarray:
+        """The level of every call from step 0 to ``num_steps - 1``, in plain Python.
+
+        Raises:
+          OverflowError: the calls include the one at the int32 maximum, which a schedule
+            that does not wrap there cannot run (see ``check_calls``).
+
+        Example:
+          >>> from lsgd_jax.schedules._schedule import PeriodicSchedule
+          >>> PeriodicSchedule(3, warmup_steps=1).replay(8).tolist()
+          [0, 1, 0, 0, 1, 0, 0, 1]
+        """
+        self.check_calls(0, num_steps, type(self).__name__)
+        out, last = [], 0
+        for s in range(num_steps):
+            level = self.level(s, last)
+            out.append(int(level))
+            last = s if level else last
+        return np.asarray(out, np.int32)
+
+    @property
+    def wraps(self) -> bool:
+        """Whether the step counter continues past the int32 maximum (see
+        :meth:`next_step`): the schedule has a cycle that fits in the counter's range
+        after the warm-up and delay. A callable period has none.
+
+        Example:
+          >>> from lsgd_jax.schedules._schedule import AdaptiveSchedule, PeriodicSchedule
+          >>> PeriodicSchedule(4).wraps, AdaptiveSchedule(lambda s: 4).wraps
+          (True, False)
+        """
+        cycle, span = self.cycle, INT32_MAX + 1 - self.warmup_steps - self.delay
+        return cycle is not None and cycle <= span
+
+    def calls_left(self, step: int) -> int | None:
+        """How many calls from the counter value ``step`` can run: None when the counter
+        wraps at the int32 maximum (every call can); else the calls before the one at
+        the maximum, which cannot advance its counter and raises OverflowError.
+
+        Example:
+          >>> from lsgd_jax.schedules._schedule import AdaptiveSchedule
+          >>> AdaptiveSchedule(lambda s: 4).calls_left(2**31 - 4)
+          3
+        """
+        return None if self.wraps else max(INT32_MAX - int(step), 0)
+
+    def check_calls(self, step: int, num_calls: int, name: str) -> None:
+        """Raises OverflowError (the message of :meth:`next_step`'s device check) when the
+        ``num_calls`` calls from the counter value ``step`` include the one at the int32
+        maximum that this schedule cannot run past: what a replay in plain Python checks
+        before it starts, so that it fails where the device would, with the same words.
+
+        Args:
+          step: the counter's value at the first call.
+          num_calls: how many calls.
+          name: who holds the schedule (e.g. the averager's class name), for the message.
+
+        Raises:
+          OverflowError: as said.
+
+        Example:
+          >>> from lsgd_jax.schedules._schedule import AdaptiveSchedule
+          >>> AdaptiveSchedule(lambda s: 4).check_calls(2**31 - 4, 3, "avg")  # fine
+          >>> AdaptiveSchedule(lambda s: 4).check_calls(2**31 - 4, 4, "avg")
+          Traceback (most recent call last):
+          ...
+          OverflowError: replaying 4 calls from step 2147483644: call 4, at step 2147483647, ...
+        """
+        left = self.calls_left(step)
+        if left is not None and num_calls > left:
+            raise OverflowError(
+                f"replaying {num_calls} call{'s' if num_calls > 1 else ''} from step "
+                f"{int(step)}: call {left + 1}, at step {INT32_MAX}, cannot run. "
+                + self.overflow_message(name)
+            )
+
+    def overflow_message(self, name: str) -> str:
+        """Why the call at the int32 maximum fails, and what to do: one text for the
+        device's check (:meth:`next_step`) and the replays in plain Python.
+
+        Example:
+          >>> from lsgd_jax.schedules._schedule import PeriodicSchedule
+          >>> PeriodicSchedule(2**31, warmup_steps=2).overflow_message("avg")[:60]
+          'avg (PeriodicSchedule(period=2147483648, warmup_steps=2)): t'
+        """
+        span = INT32_MAX + 1 - self.warmup_steps - self.delay
+        if self.cycle is None:
+            why = "a callable period has no cycle to continue the count from"
+            fix = (
+                "e.g. state.replace(step=state.step - k, last_sync=state.last_sync - k) "
+                "(the period is then asked for step - k), or use an int period"
+            )
+        else:
+            why = (
+                f"its cycle of {self.cycle} steps does not fit in the counter's range "
+                f"after the warm-up and delay ({span} steps)"
+            )
+            fix = (
+                "e.g. state.replace(step=state.step - k), or use periods whose cycle "
+                "(their least common multiple) is at most that range"
+            )
+        return (
+            f"{name} ({self._describe()}): the averager's step counter reached the int32 "
+            f"maximum at step {INT32_MAX} (after {INT32_MAX} calls), and this schedule "
+            f"cannot be followed past it: {why}. Restore from a checkpoint with the "
+            f"averager state's counters moved back by the same amount k, {fix}: such a "
+            "counter wraps and runs forever."
+        )
+
+    def _describe(self) -> str:
+        """The schedule as its constructor call, a callable period by its name."""
+        shown = []
+        for field in dataclasses.fields(self):  # type: ignore[arg-type]  # (subclasses are)
+            value = getattr(self, field.name)
+            if field.default is dataclasses.MISSING or value != field.default:
+                text = _period_name(value) if callable(value) else repr(value)
+                shown.append(f"{field.name}={text}")
+        return f"{type(self).__name__}({', '.join(shown)})"
+
+    def next_step(self, step: jax.Array, name: str) -> jax.Array:
+        """``step + 1``, kept inside int32 without leaving the schedule.
+
+        At the int32 maximum the count continues from an earlier step with the same
+        place in the schedule (a whole number of cycles back, never below the warm-up),
+        so the averages stay on schedule forever. A schedule without such a cycle
+        (:attr:`wraps` False) raises OverflowError at that call (a host callback, with
+        :meth:`overflow_message`) instead of drifting silently; the replays in plain
+        Python refuse that call too (``check_calls``).
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> from lsgd_jax.schedules._schedule import PeriodicSchedule
+          >>> schedule = PeriodicSchedule(3, warmup_steps=1)   # step 2**31 - 1 + 1 is 2 later
+          >>> int(schedule.next_step(jnp.int32(2**31 - 1), "avg"))
+          2
+        """
+        if self.wraps:
+            # never below warm-up + delay, so that "step - delay" keeps its level too
+            cycle, span = self.cycle, INT32_MAX + 1 - self.warmup_steps - self.delay
+            assert cycle is not None
+            wrapped = INT32_MAX + 1 - cycle * (span // cycle)
+            nxt = jnp.where(step == INT32_MAX, jnp.int32(wrapped), step + (step < INT32_MAX))
+            return nxt.astype(jnp.int32)
+        fail = functools.partial(_counter_overflow, self.overflow_message(name))
+        lax.cond(step == INT32_MAX, lambda: jax.debug.callback(fail, step), lambda: None)
+        return optax.safe_increment(step)
+
+
+@dataclasses.dataclass(frozen=True)
+class PeriodicSchedule(_Schedule):
+    """Averages at ``s >= warmup_steps`` when ``(s - warmup_steps) % period == 0``.
+
+    With ``fragments=K`` each of K fragments averages every ``period`` steps, the k-th
+    offset by ``k * period / K``: level ``k + 1`` at ``s`` when ``(s - warmup_steps) %
+    (period / K) == 0`` and ``(s - warmup_steps) // (period / K) % K == k``.
+
+    Attributes:
+      period: steps between averages (of one fragment).
+      warmup_steps: steps before the first average.
+      fragments: how many fragments take turns (1: the whole model every time).
+
+    Example:
+      >>> from lsgd_jax.schedules._schedule import PeriodicSchedule
+      >>> PeriodicSchedule(4, fragments=2).replay(6).tolist()
+      [1, 0, 2, 0, 1, 0]
+    """
+
+    period: int
+    warmup_steps: int = 0
+    fragments: int = 1
+    delay: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "period", _validate.positive_int(self.period, "period"))
+        warmup = _validate.nonnegative_int(self.warmup_steps, "warmup_steps")
+        object.__setattr__(self, "warmup_steps", warmup)
+        k = _validate.positive_int(self.fragments, "fragments")
+        if self.period % k:
+            raise ValueError(
+                f"fragments={k} needs an int period divisible by it, got period="
+                f"{self.period!r}; e.g. period={4 * k}."
+            )
+        object.__setattr__(self, "fragments", k)
+        _check_delay(self.delay, self.period // k, "period / fragments" if k > 1 else "period")
+        object.__setattr__(self, "delay", int(self.delay))
+
+    @property
+    def num_levels(self) -> int:
+        return self.fragments
+
+    @property
+    def cycle(self) -> int:
+        return self.period
+
+    def is_global(self, level: int) -> bool:
+        return level > 0
+
+    def level(self, step: Any, last_sync: Any = None) -> Any:
+        """0 for no average, else the fragment number (1-based); a Python int for a
+        Python ``step``, an int32 array for an array."""
+        del last_sync
+        stride = self.period // self.fragments
+        after = step - self.warmup_steps
+        on = (step >= self.warmup_steps) & (after % stride == 0)
+        which = (after // stride) % self.fragments + 1
+        if _is_traced(on, step):
+            return jnp.where(on, which, 0).astype(jnp.int32)
+        return int(which) if on else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class HierarchicalSchedule(_Schedule):
+    """At ``s >= warmup_steps``, the LARGEST period dividing ``s`` picks the level.
+
+    ``s``, not ``s - warmup_steps``, as PyTorch's ``HierarchicalModelAverager``.
+
+    Attributes:
+      periods: strictly increasing periods, one per level.
+      warmup_steps: steps before the first average.
+
+    Example:
+      >>> from lsgd_jax.schedules._schedule import HierarchicalSchedule
+      >>> HierarchicalSchedule((2, 4), warmup_steps=2).replay(9).tolist()
+      [0, 0, 1, 0, 2, 0, 1, 0, 2]
+    """
+
+    periods: tuple[int, ...]
+    warmup_steps: int = 0
+    delay: int = 0
+
+    def __post_init__(self) -> None:
+        periods = tuple(_validate.positive_int(p, f"period {p!r}") for p in self.periods)
+        if not periods or any(b <= a for a, b in zip(periods, periods[1:])):
+            raise ValueError(
+                f"The periods must be strictly increasing (smallest group first), got "
+                f"{list(periods)}; order the dict by period."
+            )
+        object.__setattr__(self, "periods", periods)
+        warmup = _validate.nonnegative_int(self.warmup_steps, "warmup_steps")
+        object.__setattr__(self, "warmup_steps", warmup)
+        _check_delay(self.delay, periods[-1], "the global period")
+        object.__setattr__(self, "delay", int(self.delay))
+
+    @property
+    def num_levels(self) -> int:
+        return len(self.periods)
+
+    @property
+    def cycle(self) -> int:
+        return math.lcm(*self.periods)
+
+    def is_global(self, level: int) -> bool:
+        return level == self.num_levels
+
+    def level(self, step: Any, last_sync: Any = None) -> Any:
+        """0 for no average, else the 1-based level of the largest dividing period."""
+        del last_sync
+        if _is_traced(step):
+            step = jnp.asarray(step)
+            level = jnp.zeros_like(step, dtype=jnp.int32)
+            for k, p in enumerate(self.periods, start=1):
+                level = jnp.where(step % p == 0, k, level)  # the largest period wins
+            return jnp.where(step >= self.warmup_steps, level, 0)
+        if step < self.warmup_steps:
+            return 0
+        return max((k for k, p in enumerate(self.periods, 1) if step % p == 0), default=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveSchedule(_Schedule):
+    """A period that changes with the step: average at ``s >= warmup_steps`` when ``s ==
+    warmup_steps`` or ``s - last_average >= period(s)``.
+
+    AdaComm-style (Wang & Joshi, SysML 2019). For a constant period this is the
+    periodic rule. The level depends on the step of the last average, which the
+    averager's state keeps (``last_sync``).
+
+    The step counters are int32: a period of ``2**31 - 1`` or more never comes due (a
+    Python int beyond int32 is read as ``2**31 - 1``), and the counter cannot go past
+    ``2**31 - 1`` calls, as the schedule has no cycle to continue from: the call there
+    raises OverflowError, on the device and in every replay (``check_calls``).
+
+    Attributes:
+      period: a jit-able ``period(step) -> int``.
+      warmup_steps: steps before the first average.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from lsgd_jax.schedules._schedule import AdaptiveSchedule
+      >>> AdaptiveSchedule(lambda s: jnp.where(s < 4, 2, 3)).replay(10).tolist()
+      [1, 0, 1, 0, 0, 1, 0, 0, 1, 0]
+    """
+
+    period: Callable[[Any], Any]
+    warmup_steps: int = 0
+    tracks_last_sync = True
+
+    def __post_init__(self) -> None:
+        if not callable(self.period):
+            raise TypeError(f"period must be callable here, got {self.period!r}.")
+        warmup = _validate.nonnegative_int(self.warmup_steps, "warmup_steps")
+        object.__setattr__(self, "warmup_steps", warmup)
+
+    @property
+    def num_levels(self) -> int:
+        return 1
+
+    @property
+    def cycle(self) -> None:
+        return None
+
+    def _period_at(self, step: Any) -> Any:
+        """``period(step)`` as the int32 counters compare it: a Python or NumPy int at or
+        beyond the int32 maximum reads as the maximum (the same rule for every call a
+        counter reaches: ``step - last_sync`` never exceeds it before the counter's end)."""
+        try:
+            period = self.period(step)
+        except OverflowError as e:
+            try:
+                at = f"step {int(step)}"
+            except jax.errors.ConcretizationTypeError:
+                at = "a traced step"
+            raise OverflowError(
+                f"period={_period_name(self.period)} raised OverflowError at {at}: {e}. "
+                "The step counters are int32, so a period is compared as one; "
+                f"return at most 2**31 - 1 ({INT32_MAX}), which already means no average "
+                "again before the counter's end."
+            ) from e
+        if isinstance(period, (int, np.integer)) and period > INT32_MAX:
+            return INT32_MAX
+        return period
+
+    def is_global(self, level: int) -> bool:
+        return level > 0
+
+    def level(self, step: Any, last_sync: Any = None) -> Any:
+        """1 when ``step`` averages given the step of the last average, else 0."""
+        if last_sync is None:
+            raise TypeError(
+                "With a period schedule the level depends on the last average, not on the "
+                "step alone: use averager.schedule(num_steps)."
+            )
+        if _is_traced(step, last_sync):
+            period = jnp.asarray(self._period_at(step), jnp.int32)
+            on = (step == self.warmup_steps) | (step - last_sync >= period)
+            return ((step >= self.warmup_steps) & on).astype(jnp.int32)
+        if step > INT32_MAX:  # no int32 counter holds it (nor can period(step) see it)
+            raise OverflowError(
+                f"{type(self).__name__}.level({step}): " + self.overflow_message("this schedule")
+            )
+        host_period = int(self._period_at(jnp.int32(step)))
+        hit = step >= self.warmup_steps and (
+            step == self.warmup_steps or step - last_sync >= host_period
+        )
+        return int(hit)
+
+
+Schedule = PeriodicSchedule | HierarchicalSchedule | AdaptiveSchedule

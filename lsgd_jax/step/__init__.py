@@ -1,0 +1,29 @@
+"""The training step: data_parallel_step, its phases and programs, and what it checks."""
+
+from lsgd_jax.step._compile_cache import use_compilation_cache
+from lsgd_jax.step._ledger import Ledger
+from lsgd_jax.step._ledger import PhaseBytes
+from lsgd_jax.step._ledger import communication_ledger
+from lsgd_jax.step._pairing import check_configuration
+from lsgd_jax.step._phase import num_phases
+from lsgd_jax.step._phase import phase_index
+from lsgd_jax.step._phase import replay_phases
+from lsgd_jax.step._stacked import stacked
+from lsgd_jax.step._step import DataParallelStep
+from lsgd_jax.step._step import averager_states
+from lsgd_jax.step._step import data_parallel_step
+
+__all__ = [
+    "Ledger",
+    "PhaseBytes",
+    "DataParallelStep",
+    "averager_states",
+    "check_configuration",
+    "communication_ledger",
+    "data_parallel_step",
+    "num_phases",
+    "phase_index",
+    "replay_phases",
+    "stacked",
+    "use_compilation_cache",
+]

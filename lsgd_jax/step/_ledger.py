@@ -1,0 +1,233 @@
+"""The byte ledger: what a training step sends, per step, per phase and per run.
+
+``communication_report`` lists one compiled program's collectives. A run of
+``data_parallel_step`` runs one program per phase (global or node-local gradient mean,
+times each averaging level), and which phase each step takes follows from the step
+counters. The ledger puts the two together: it compiles the programs the step will
+really run for the next ``num_steps`` calls (the same ones training then uses, so
+nothing is compiled twice), reads each one's collectives, and charges every step the
+bytes of its phase, split into what crosses nodes and what stays inside a node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from lsgd_jax._core import _validate
+from lsgd_jax.report._report import CommunicationReport, parse_hlo
+from lsgd_jax.step import _phase
+from lsgd_jax.step._phase_plan import skips_on_device
+
+_WHERE = ("across", "inside", "all")
+
+
+def crosses_nodes(collective: Any, inner_axes: tuple[str, ...]) -> bool:
+    """Whether ``collective``'s groups span nodes: it names a mesh axis outside the node's
+    own ``inner_axes`` (or its axes are unknown, which counts as crossing).
+
+    Example:
+      >>> from lsgd_jax import Collective
+      >>> from lsgd_jax.step._ledger import crosses_nodes
+      >>> c = Collective("all-reduce", 2, 4, ("node",), 16, False, "ar", "f", "", ())
+      >>> crosses_nodes(c, ("local",))
+      True
+    """
+    if collective.axes is None:
+        return True
+    return any(a not in inner_axes for a in collective.axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseBytes:
+    """What one phase's program sends, per device and call.
+
+    Attributes:
+      report: its collectives (a CommunicationReport).
+      across: bytes into collectives whose groups span nodes.
+      across_wire: the same, as wire bytes (``Collective.wire_bytes``).
+      inside: bytes into collectives that stay inside a node.
+      inside_wire: the same, as wire bytes.
+      across_count: how many collectives span nodes (on a slow link each one costs a
+        latency, whatever its size).
+      inside_count: how many stay inside a node.
+    """
+
+    report: CommunicationReport
+    across: int
+    across_wire: int
+    inside: int
+    inside_wire: int
+    across_count: int = 0
+    inside_count: int = 0
+
+    @classmethod
+    def of(cls, report: CommunicationReport, inner_axes: tuple[str, ...]) -> PhaseBytes:
+        """Totals of ``report``'s collectives, split at the node boundary; the one-time
+        copy of a common anchor (scope ``common_anchor``: ``delta`` and an outer step
+        without ``outer_skip_first``, until each fragment's first global average) is
+        left out."""
+        report = CommunicationReport(c for c in report if "common_anchor" not in c.scope)
+        cross = [crosses_nodes(c, inner_axes) for c in report]
+        return cls(
+            report,
+            sum(c.bytes for c, x in zip(report, cross) if x),
+            sum(c.wire_bytes for c, x in zip(report, cross) if x),
+            sum(c.bytes for c, x in zip(report, cross) if not x),
+            sum(c.wire_bytes for c, x in zip(report, cross) if not x),
+            sum(cross),
+            len(cross) - sum(cross),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Ledger:
+    """Bytes per device of each step of a run, from its compiled programs and schedule.
+
+    Attributes:
+      phases: ``{phase: PhaseBytes}``, one per phase the run takes (a phase index; or
+        ``"switch"`` / ``"cond"`` when the phase of each call cannot be known ahead).
+      steps: the phase of each step, in order (length ``num_steps``).
+      inner_axes: the mesh axes inside one node.
+      exact: False when the step runs one program for every phase and its optimizer
+        may skip updates (``optax.MultiSteps``, ``apply_if_finite``, masks), so the
+        phase of each call is decided on the device: every step is then charged all
+        of its program's collectives, branches it does not take included (an upper
+        bound).
+    """
+
+    phases: dict[Any, PhaseBytes]
+    steps: tuple[Any, ...]
+    inner_axes: tuple[str, ...]
+    exact: bool = True
+
+    def per_step(self, where: str = "across", wire: bool = False) -> np.ndarray:
+        """Bytes per device of each step: ``"across"`` nodes, ``"inside"`` them, or
+        ``"all"``; ``wire=True`` for wire bytes (what links carry) instead of the
+        bytes that go into the collectives."""
+        _validate.one_of(where, "Ledger.per_step: where", _WHERE)
+        parts = ("across", "inside") if where == "all" else (where,)
+        suffix = "_wire" if wire else ""
+        cost = {k: sum(getattr(v, p + suffix) for p in parts) for k, v in self.phases.items()}
+        return np.array([cost[k] for k in self.steps], np.int64)
+
+    def collectives(self, where: str = "across") -> np.ndarray:
+        """How many collectives each step runs: ``"across"`` nodes, ``"inside"`` them,
+        or ``"all"`` (each one waits at least a link's latency)."""
+        _validate.one_of(where, "Ledger.collectives: where", _WHERE)
+        parts = ("across", "inside") if where == "all" else (where,)
+        cost = {k: sum(getattr(v, p + "_count") for p in parts) for k, v in self.phases.items()}
+        return np.array([cost[k] for k in self.steps], np.int64)
+
+    def total(self, where: str = "across", wire: bool = False) -> int:
+        """Bytes per device over the whole run (see :meth:`per_step`)."""
+        return int(self.per_step(where, wire).sum())
+
+    def __str__(self) -> str:
+        counts = {k: self.steps.count(k) for k in self.phases}
+        head = ("program", "steps", "across/step", "wire across/step", "inside/step", "ops across")
+        rows = [head] + [
+            (
+                str(k),
+                str(counts[k]),
+                f"{v.across:,}",
+                f"{v.across_wire:,}",
+                f"{v.inside:,}",
+                str(v.across_count),
+            )
+            for k, v in self.phases.items()
+        ]
+        rows.append(
+            (
+                "run",
+                str(len(self.steps)),
+                f"{self.total():,}",
+                f"{self.total(wire=True):,}",
+                f"{self.total('inside'):,}",
+                f"{int(self.collectives().sum()):,}",
+            )
+        )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        lines = ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        if not self.exact:
+            lines.append("(an upper bound: every branch of the one program is charged)")
+        return "\n".join(lines)
+
+
+def communication_ledger(
+    step: Any, *args: Any, num_steps: int, inner_axes: Any = ("local",)
+) -> Ledger:
+    """Bytes each device sends, across nodes and inside them, per step and per run.
+
+    Compiles (without running) the programs ``step`` will run for its next
+    ``num_steps`` calls from these arguments, the same ones those calls then use
+    (``step.compile``), reads each one's collectives, and charges
+    every step the bytes of its phase (replayed from the step counters). A step that
+    runs one program for every phase (``specialize="switch"`` or ``False``) takes one
+    branch per call: each phase's program is then compiled for the ledger alone (the
+    branch it takes sends what that program sends), so that a step is charged its
+    own branch, not all of them; where the phase of a call is decided on the device
+    (an optimizer that may skip updates), every branch is charged and
+    ``ledger.exact`` is False. A collective
+    crosses nodes when its groups span a mesh axis other than ``inner_axes``. Inside a
+    phase's program a collective under a conditional is charged whenever the phase
+    runs (the model state's mean, which runs whenever the params average), except the
+    one-time copy of a common anchor before the first global average (scope
+    ``common_anchor``), which is left out.
+
+    What it costs: the compiles of those programs, as ``step.compile(..., num_steps=
+    num_steps)`` (it is that compile), and nothing more. Called before training, it
+    is the compile the training would have done: the calls that follow compile
+    nothing (measured on a 32-leaf MLP, 3 phases, 8 CPU devices: 3.8 s of ledger, then
+    12 steps in 0.3 s, against 4.7 s for the 12 steps alone). Called after training,
+    it reads the programs training compiled (0.2 s). With ``specialize="switch"`` or
+    ``False`` it compiles each phase's program besides the step's one (to charge each
+    call its own branch).
+
+    Args:
+      step: a step from :func:`data_parallel_step`.
+      *args: its arguments for the first of those calls, e.g. ``(params, opt_state,
+        batch)``.
+      num_steps: how many calls the run makes.
+      inner_axes: the mesh axis (or axes) of one node's devices.
+
+    Returns:
+      A :class:`Ledger`: ``ledger.per_step()``, ``ledger.total()``, ``print(ledger)``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, lsgd_jax
+      >>> mesh = lsgd_jax.make_mesh(2, 4)
+      >>> tx = optax.chain(lsgd_jax.post_local_sgd(2), optax.sgd(0.1),
+      ...     lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(4, warmup_steps=2)))
+      >>> step = lsgd_jax.data_parallel_step(lambda p, b: jnp.mean((b @ p) ** 2), tx, mesh)
+      >>> p = lsgd_jax.replicate(jnp.zeros(256), mesh)
+      >>> s = lsgd_jax.replicate(tx.init(jnp.zeros(256)), mesh)
+      >>> ledger = lsgd_jax.communication_ledger(step, p, s, jnp.ones((8, 256)), num_steps=10)
+      >>> ledger.per_step().tolist()   # grads 1 KiB (+4 B loss), then an average every 4
+      [1028, 1028, 1028, 4, 4, 4, 1028, 4, 4, 4]
+    """
+    from lsgd_jax.step._step import DataParallelStep
+
+    if not isinstance(step, DataParallelStep):
+        raise TypeError(
+            f"communication_ledger expects a step from lsgd_jax.data_parallel_step, got "
+            f"{step!r}; for any other jitted function use lsgd_jax.communication_report."
+        )
+    inner = (inner_axes,) if isinstance(inner_axes, str) else tuple(inner_axes)
+    num_steps = _validate.positive_int(num_steps, "communication_ledger: num_steps")
+    mesh = step._spec.mesh
+    plan = step.plan_of(*args, num_steps=num_steps)
+    jit_args = step.jit_args(*args)
+    opt_state = jit_args[2]
+    one_program = isinstance(plan[0], str) and _phase.num_phases(opt_state) > 1
+    skips = skips_on_device(opt_state)
+    if one_program and not skips:  # charge each call its own branch: its phase's program
+        plan = _phase.replay_phases(_phase.counters_snapshot(opt_state), num_steps).tolist()
+        programs = [(k, step._program(k).lower(*jit_args).compile()) for k in dict.fromkeys(plan)]
+    else:
+        programs = step.programs_of(*args, num_steps=num_steps)
+    phases = {k: PhaseBytes.of(parse_hlo(c.as_text(), mesh=mesh), inner) for k, c in programs}
+    return Ledger(phases, tuple(plan), inner, exact=not (one_program and skips))

@@ -1,0 +1,135 @@
+"""check_configuration: how the hook and the averagers of one optimizer fit together.
+
+Each transform checks its own arguments; what only shows when they meet is checked here,
+from the static metadata of an optimizer state: the order of the chain, a warm-up that
+does not match the hook's switch, and an averaging level that can only average replicas
+the hook already keeps identical.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import jax
+
+from lsgd_jax._core import _collectives
+from lsgd_jax.averaging._averager_state import ModelAveragerState
+from lsgd_jax.hook._hook import DEFAULT_SUBGROUP
+from lsgd_jax.hook._state import PostLocalSGDState
+from lsgd_jax.step import _chain_order
+
+
+def _is_node(x: Any) -> bool:
+    return isinstance(x, (PostLocalSGDState, ModelAveragerState))
+
+
+def _nodes(opt_state: Any) -> list[Any]:
+    return [x for x in jax.tree.leaves(opt_state, is_leaf=_is_node) if _is_node(x)]
+
+
+def has_hook(opt_state: Any) -> bool:
+    """Whether ``opt_state`` holds a PostLocalSGDState (a post_local_sgd hook)."""
+    return any(isinstance(x, PostLocalSGDState) for x in _nodes(opt_state))
+
+
+def _redundant_levels(hook: PostLocalSGDState, averager: Any) -> list[Any]:
+    """The averager's groups that lie inside the hook's gradient-averaging subgroup."""
+    if not hook.post_local_gradient_allreduce:
+        return []
+    subgroup = hook.subgroup if hook.subgroup is not None else DEFAULT_SUBGROUP
+    return [g for g in averager.groups if g is not None and _collectives.group_covers(g, subgroup)]
+
+
+def check_configuration(opt_state: Any, *, check_order: bool = True) -> None:
+    """Checks how the post-local SGD pieces of an optimizer state fit together.
+
+    Raises when ``model_averaging`` (or ``post_local_sgd_optimizer``) comes before
+    ``post_local_sgd`` in the chain: the averager would then turn the raw gradients into
+    updates that the hook and the optimizer rescale, so no average would land. With
+    ``check_order`` (the default) it also raises when anything comes before the hook in
+    its chain (an optimizer there would average its updates instead of the gradients,
+    and each replica's moments would drift apart; a clip there would clip each
+    replica's raw gradients instead of their mean) or after the model averaging (what
+    comes after it rescales the updates that move the replicas to the mean, so no
+    average lands). Nested chains, ``optax.named_chain`` and wrappers such as
+    ``optax.MultiSteps``, ``inject_hyperparams`` or ``apply_if_finite`` are seen
+    through: the hook must be first and the averaging last in every chain that holds
+    them. Warns,
+    once per configuration, when an averager's ``warmup_steps`` differs from the hook's
+    ``start_localSGD_iter`` (PyTorch's pairing sets them equal), and when an averaging
+    level's group lies inside the subgroup over which the hook keeps averaging gradients
+    after the switch: those replicas stay identical, so that level's all-reduce costs
+    time and changes nothing.
+
+    :func:`data_parallel_step` calls it when it traces a step; call it yourself on the
+    state of a hand-written ``shard_map`` step (static metadata only: no collective,
+    nothing waits for the device).
+
+    Args:
+      opt_state: an optax state holding PostLocalSGDState / ModelAveragerState nodes
+        (per-replica or not).
+      check_order: whether to refuse a hook that is not first, or a model averaging
+        that is not last, in its chain. Pass False only for an order you compose on
+        purpose (e.g. a transformation after the averaging that you know leaves the
+        updates alone); an averager before the hook is refused either way.
+
+    Returns:
+      None.
+
+    Raises:
+      ValueError: a model averager comes before the hook in the chain; or, with
+        ``check_order``, the hook is not first or the averaging not last, with the
+        order found and the order wanted.
+
+    Example:
+      >>> import optax, lsgd_jax
+      >>> tx = optax.chain(lsgd_jax.post_local_sgd(8), optax.sgd(0.1),
+      ...     lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(4, warmup_steps=8)))
+      >>> lsgd_jax.check_configuration(tx.init({}))
+
+      The optimizer before the hook would average Adam's updates, not the gradients:
+
+      >>> bad = optax.chain(optax.adam(1e-3), lsgd_jax.post_local_sgd(8))
+      >>> lsgd_jax.check_configuration(bad.init({}))
+      Traceback (most recent call last):
+      ...
+      ValueError: post_local_sgd must come first in the optax.chain, but it sits at position 1 ...
+    """
+    nodes = _nodes(opt_state)
+    hooks = [(i, x) for i, x in enumerate(nodes) if isinstance(x, PostLocalSGDState)]
+    averagers = [
+        (i, x.averager)
+        for i, x in enumerate(nodes)
+        if isinstance(x, ModelAveragerState) and x.averager is not None
+    ]
+    if hooks and averagers and averagers[0][0] < hooks[0][0]:
+        raise ValueError(
+            f"{type(averagers[0][1]).__name__} comes before post_local_sgd in the optimizer "
+            "chain, so it would average the raw gradients' updates, which the hook and the "
+            "optimizer then rescale: no model average would land. Put post_local_sgd first "
+            "and model_averaging (or post_local_sgd_optimizer) last: optax.chain("
+            "lsgd_jax.post_local_sgd(...), optimizer, lsgd_jax.model_averaging(...))."
+        )
+    if check_order:
+        _chain_order.check(opt_state)
+    for _, hook in hooks:
+        for _, averager in averagers:
+            name = type(averager).__name__
+            if averager.warmup_steps != hook.start_localSGD_iter:
+                warnings.warn(
+                    f"{name} has warmup_steps={averager.warmup_steps} but post_local_sgd has "
+                    f"start_localSGD_iter={hook.start_localSGD_iter}: models are then "
+                    "averaged while gradients are still averaged globally, or local SGD runs "
+                    "without model averages. PyTorch's pairing sets both to the same step.",
+                    stacklevel=2,
+                )
+            for group in _redundant_levels(hook, averager):
+                warnings.warn(
+                    f"{name} averages over {group!r}, inside the subgroup over which "
+                    "post_local_sgd keeps averaging gradients after the switch, so those "
+                    "replicas are already identical: that all-reduce costs time and changes "
+                    "nothing. Drop that level, or pass post_local_gradient_allreduce=False "
+                    "to post_local_sgd (local SGD inside the node too).",
+                    stacklevel=2,
+                )

@@ -1,0 +1,157 @@
+"""The input guards of data_parallel_step: what its arguments must look like.
+
+Per-replica values carry a leading replica axis sharded over the data axes (made by
+``replicate``); a donated buffer is never reused; the batch splits evenly over the
+replicas, and on several processes it is a global array. Each guard raises an error
+that names the leaf and says how to make it right.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def check_axes(mesh: Mesh, axes: Any) -> tuple[str, ...]:
+    """``axes`` (a name or a sequence of names) as a tuple of ``mesh``'s axis names.
+
+    Example:
+      >>> import lsgd_jax
+      >>> from lsgd_jax.step._step_inputs import check_axes
+      >>> check_axes(lsgd_jax.make_mesh(2, 4), "node")
+      ('node',)
+    """
+    names = (axes,) if isinstance(axes, str) else tuple(axes)
+    missing = [a for a in names if a not in mesh.axis_names]
+    if missing or not names:
+        raise ValueError(
+            f"data_parallel_step: the mesh has axes {mesh.axis_names}, not {missing} "
+            f"(axes={axes!r}); pass axes=<its data-parallel axes> (a name or a tuple of "
+            "names), or build the mesh with lsgd_jax.make_mesh()."
+        )
+    return names
+
+
+def _path_name(path: Any) -> str:
+    return jax.tree_util.keystr(path) or "(root)"
+
+
+def _lead_axes(spec: Any, mesh: Any) -> tuple[str, ...]:
+    """The mesh axes of size > 1 that shard the leading axis of ``spec``."""
+    lead = tuple(spec)[0] if tuple(spec) else None
+    lead = lead if isinstance(lead, tuple) else (lead,)
+    return tuple(a for a in lead if a is not None and mesh.shape[a] > 1)
+
+
+def check_replicated(tree: Any, what: str, n: int, mesh: Mesh, axes: tuple[str, ...]) -> None:
+    want = tuple(a for a in axes if mesh.shape[a] > 1)
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(x, jax.Array) and x.is_deleted():
+            raise ValueError(
+                f"data_parallel_step: {what} leaf {_path_name(path)} was donated to an "
+                "earlier call of this step, which freed its buffer. Use the values the step "
+                f"returned (params, opt_state, ... = step(params, opt_state, batch)), or "
+                "build the step with donate=False to keep its inputs alive."
+            )
+        shape = jnp.shape(x)
+        if not shape or shape[0] != n:
+            raise ValueError(
+                f"data_parallel_step: {what} leaf {_path_name(path)} has shape {shape}, but "
+                f"per-replica values need a leading axis of {n} replicas (one per device "
+                f"of {axes}). Make them with lsgd_jax.replicate({what}, mesh)."
+            )
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, NamedSharding) and n > 1:
+            if _lead_axes(sharding.spec, sharding.mesh) != want:
+                raise ValueError(
+                    f"data_parallel_step: {what} leaf {_path_name(path)} is sharded as "
+                    f"{sharding.spec}, not over the replica axes {axes} on its leading axis; "
+                    f"a P() value would be one copy for all replicas. Make it with "
+                    f"lsgd_jax.replicate({what}, mesh)."
+                )
+
+
+class Identity:
+    """The step's own last outputs, held to recognize them (``is``) when passed straight
+    back: those were checked and are alive."""
+
+    def __init__(self, *objects: Any) -> None:
+        self.objects = objects
+
+    def same(self, *objects: Any) -> bool:
+        return len(objects) == len(self.objects) and all(
+            a is b for a, b in zip(objects, self.objects)
+        )
+
+
+def check_batch(batch: Any, n: int, axes: tuple[str, ...], processes: int, split: int = 1) -> None:
+    """The batch splits evenly over ``n`` replicas (and ``split`` FSDP devices in each)."""
+    for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        shape = jnp.shape(x)
+        if not shape or shape[0] % (n * split):
+            inside = f" times the {split} devices of each (fsdp_axes)" if split > 1 else ""
+            raise ValueError(
+                f"data_parallel_step: batch leaf {_path_name(path)} has shape {shape}; its "
+                f"leading (batch) axis must divide by the {n} replicas{inside}. Use a "
+                f"global batch size that is a multiple of {n * split}."
+            )
+        if processes > 1 and not (isinstance(x, jax.Array) and not x.is_fully_addressable):
+            warnings.warn(
+                f"data_parallel_step: batch leaf {_path_name(path)} is a host-local array "
+                f"on a mesh of {processes} processes, so it is taken as the GLOBAL "
+                "batch (each device reads its rows of it, from its own process's copy): "
+                "with different data on each process, most of it is silently dropped. Feed "
+                "each process's own rows with jax.make_array_from_process_local_data("
+                f"NamedSharding(mesh, P({axes})), local_batch).",
+                stacklevel=5,
+            )
+
+
+def place_batch(batch: Any, mesh: Mesh, axes: tuple[str, ...]) -> Any:
+    """``batch`` with each leaf split over ``axes`` on its leading axis (a leaf already
+    laid out so is passed as it is): a mesh with Explicit axes carries shardings in the
+    types, and ``shard_map`` then takes only inputs laid out as its ``in_specs``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from lsgd_jax.step._step_inputs import place_batch
+      >>> mesh = jax.make_mesh((2, 4), ("node", "local"))  # Explicit axes
+      >>> place_batch(jnp.ones((8, 3)), mesh, ("node", "local")).sharding.spec
+      P(('node', 'local'),)
+    """
+    sharding = NamedSharding(mesh, P(axes))
+
+    def place(x: Any) -> Any:
+        if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+            return x
+        return jax.device_put(x, sharding)
+
+    return jax.tree.map(place, batch)
+
+
+def check_compiler_options(options: Any) -> tuple[tuple[str, Any], ...]:
+    """``data_parallel_step``'s ``compiler_options`` as sorted items (a StepSpec field:
+    hashable); a TypeError for anything but a mapping of option names to str, bool,
+    int or float values.
+
+    Example:
+      >>> from lsgd_jax.step._step_inputs import check_compiler_options
+      >>> check_compiler_options({"xla_embed_ir_in_executable": True})
+      (('xla_embed_ir_in_executable', True),)
+    """
+    if options is None:
+        return ()
+    if not isinstance(options, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, (str, bool, int, float)) for k, v in options.items()
+    ):
+        raise TypeError(
+            "data_parallel_step: compiler_options must be a dict of XLA option names to "
+            f"str, bool, int or float values (as jax.jit's), got {options!r}."
+        )
+    return tuple(sorted(options.items()))

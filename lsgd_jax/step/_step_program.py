@@ -1,0 +1,307 @@
+"""The compiled programs behind data_parallel_step: one step, in one of three forms.
+
+One step, per replica: gradients of the loss -> (no hook: their mean over every replica,
+DDP) -> ``tx.update`` (hook, optimizer, averager) -> ``apply_updates`` -> model state
+averaged with the params -> the mean loss and reduced aux. It is compiled as
+
+- one program per *phase* (``mode`` an int): every hook and averager pinned to its
+  branch (``_phase.pin``), so the whole step is straight-line code, as fast as a
+  hand-written step (the gradient collectives overlap the backward pass). The program
+  checks on the device that the state really is in that phase and, if not, returns its
+  inputs unchanged with ``ok`` false (a wrong choice costs a step, never corrupts);
+- one program with the whole step traced once per phase under one ``lax.switch``
+  (``"switch"``): fast at run time too, but compiled for every phase at once;
+- one program with each transform's own ``lax.cond`` (``"cond"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from lsgd_jax._core import _collectives
+from lsgd_jax.averaging import _outer
+from lsgd_jax.averaging._averager_state import ModelAveragerState
+from lsgd_jax.mesh import _fsdp
+from lsgd_jax.mesh._mesh import _num_replicas
+from lsgd_jax.step import _pairing, _phase, _preflight
+
+MAX_PHASES = 16
+
+
+def averager_states(opt_state: Any) -> list[ModelAveragerState]:
+    """The ModelAveragerStates inside an optimizer state (e.g. of ``model_averaging``).
+
+    Args:
+      opt_state: any optax state.
+
+    Returns:
+      The list of ModelAveragerState nodes, in tree order.
+
+    Example:
+      >>> import optax, lsgd_jax
+      >>> tx = optax.chain(optax.sgd(0.1),
+      ...                  lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(4)))
+      >>> [s.averager.period for s in lsgd_jax.averager_states(tx.init({}))]
+      [4]
+    """
+    is_state = lambda x: isinstance(x, ModelAveragerState)  # noqa: E731
+    return [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
+
+
+def check_optimizer(opt_state: Any, check_order: bool = True) -> None:
+    """How the chain's pieces fit (see check_configuration), and a chain without a hook."""
+    _pairing.check_configuration(opt_state, check_order=check_order)
+    if not _pairing.has_hook(opt_state) and averager_states(opt_state):
+        raise ValueError(
+            "data_parallel_step: the optimizer averages models but has no post_local_sgd "
+            "hook, so the step would average gradients over every replica (DDP) and the "
+            "replicas would never differ. For post-local SGD put lsgd_jax.post_local_sgd("
+            "start_localSGD_iter) first in the chain; for local SGD without any gradient "
+            "averaging, lsgd_jax.post_local_sgd(0, post_local_gradient_allreduce=False)."
+        )
+
+
+def check_when_built(spec: StepSpec) -> None:
+    """What can be checked before the first step, from ``tx`` alone (``_preflight``):
+    the chain's order, every phase's groups and collectives on the mesh, and a chain
+    that averages models without a hook. A ``tx`` whose init needs the real params'
+    structure is checked when the step first traces.
+    """
+    what = "data_parallel_step"
+    probe_state = _preflight.check_tx(spec.tx, spec.mesh, spec.axes, what, spec.check_order)
+    if probe_state is not None:
+        check_optimizer(probe_state, spec.check_order)
+
+
+def _average_like_params(model_state: Any, opt_state: Any, new_opt_state: Any) -> Any:
+    """Averages ``model_state`` on the steps (and over the group) the params averaged.
+
+    Only where the averager really ran: a wrapper such as ``optax.MultiSteps`` or
+    ``optax.apply_if_finite`` can keep the inner state (and so the averager's step) as it
+    was, and then the params did not average either. A group whose params' average was
+    skipped (a non-finite policy) keeps its model state too; see
+    ``_average_call.like_params``.
+    """
+    from lsgd_jax.averaging import _average_call  # noqa: PLC0415  (this function's own helper)
+
+    states = averager_states(opt_state)
+    if not states:
+        return model_state
+    if len(states) > 1:
+        raise ValueError(
+            f"data_parallel_step: the optimizer holds {len(states)} model averagers; with "
+            "model state there must be at most one, to know when to average it."
+        )
+    (state,) = states
+    (after,) = averager_states(new_opt_state)
+    return lax.cond(
+        after.step != state.step,
+        lambda tree: _average_call.like_params(state.averager, tree, state, after),
+        lambda tree: tree,
+        model_state,
+    )
+
+
+def _metrics_mean(tree: Any, axes: tuple[str, ...]) -> Any:
+    def one(x):
+        reduce = lax.pmean if _collectives.is_averaged(x) else lax.psum
+        return _collectives.all_reduce(reduce, x, axes)
+
+    return jax.tree.map(one, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """What a step computes: the user's loss and optimizer, on which mesh and axes."""
+
+    loss_fn: Callable[..., Any]
+    tx: Any
+    mesh: Mesh
+    axes: tuple[str, ...]
+    has_aux: bool
+    with_model_state: bool
+    donate: bool
+    lowering: str = "shard_map"
+    fsdp_axes: tuple[str, ...] = ()
+    compiler_options: tuple[tuple[str, Any], ...] = ()  # jax.jit's, as sorted items
+    check_order: bool = True  # refuse a hook not first / an averaging not last
+
+    def gradients(self, params: Any, model_state: Any, batch: Any) -> tuple:
+        """``(loss, aux, grads, new model state)`` of this replica's loss.
+
+        With FSDP axes the replica's params and model state are gathered for the loss,
+        its rows split over those axes, and the gradients (and new model state) reduced
+        back onto their shards.
+        """
+        if self.fsdp_axes:
+            loss, aux, grads, model_state = self._gradients(
+                _fsdp.gather(params),
+                _fsdp.gather(model_state),
+                _fsdp.split_rows(batch, self.fsdp_axes),
+            )
+            back = (grads, model_state)
+            grads, model_state = _fsdp.scatter(back, self.mesh, self.fsdp_axes)
+            return loss, aux, grads, model_state
+        return self._gradients(params, model_state, batch)
+
+    def _gradients(self, params: Any, model_state: Any, batch: Any) -> tuple:
+        value_and_grad = jax.value_and_grad(
+            self.loss_fn, has_aux=self.has_aux or self.with_model_state
+        )
+        aux = None
+        if self.with_model_state:
+            (loss, out), grads = value_and_grad(params, model_state, batch)
+            model_state, aux = out if self.has_aux else (out, None)
+        elif self.has_aux:
+            (loss, aux), grads = value_and_grad(params, batch)
+        else:
+            loss, grads = value_and_grad(params, batch)
+        return loss, aux, grads, model_state
+
+    def update(self, operands: tuple, phase: int | None) -> tuple:
+        """One replica's update from its gradients: ``(params, model_state, opt_state)``
+        after ``tx``, every state pinned to ``phase`` (None: no pin)."""
+        params, model_state, opt_state, grads = operands
+        if not _pairing.has_hook(opt_state):  # no post_local_sgd: DDP
+            with jax.named_scope("ddp"):
+                grads = _collectives.mean(grads, self.axes)
+        if phase is not None:
+            opt_state = _phase.pin(opt_state, phase)
+        updates, new_opt_state = self.tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        if self.with_model_state:
+            model_state = _average_like_params(model_state, opt_state, new_opt_state)
+        return params, model_state, _phase.unpin(new_opt_state)
+
+    def whole_step(self, operands: tuple, phase: int | None) -> tuple:
+        """One replica's step: gradients, then :meth:`update`; and the loss and aux."""
+        params, model_state, opt_state, batch = operands
+        loss, aux, grads, model_state = self.gradients(params, model_state, batch)
+        out = self.update((params, model_state, opt_state, grads), phase)
+        return (*out, loss, aux)
+
+
+def _computed_once(pred: jax.Array) -> jax.Array:
+    """``pred``, computed once and handed to its consumers as a value.
+
+    XLA duplicates cheap scalar producers into every fusion that consumes them: the
+    phase guard's counter arithmetic (remainders, floor divisions, selects: ~9 ops) was
+    copied into the fusion of each state leaf the guard selects, 1,770 compares and
+    1,768 selects in a 64-leaf program (2.4x the HLO of a hand-written step). A
+    conditional is not fusible, so its result reaches each fusion as one parameter.
+    (``lax.optimization_barrier`` does not survive XLA:CPU's pipeline to fusion.)
+    """
+    return lax.cond(pred, lambda: jnp.bool_(True), lambda: jnp.bool_(False))
+
+
+def _switch_over_phases(work: Callable[..., tuple], operands: tuple, axes: frozenset) -> tuple:
+    """``work`` traced once per phase, under one ``lax.switch`` on the counters."""
+    opt_state = operands[2]
+
+    def branch(k):
+        def run(*ops):
+            out = work(ops, k)
+            # every branch returns per-replica values: type them all alike
+            return jax.tree.map(lambda x: _collectives.cast_varying(x, axes), out)
+
+        return run
+
+    branches = [branch(k) for k in range(_phase.num_phases(opt_state))]
+    return lax.switch(_phase.phase_index(opt_state), branches, *operands)
+
+
+def _replica_body(spec: StepSpec, mode: int | str, work: Callable[..., tuple]) -> Callable:
+    """The per-replica body of a ``shard_map`` over the data axes, for ``mode``.
+
+    ``work(operands, phase) -> (params, model_state, opt_state, loss, aux)``, where
+    ``operands`` is ``(params, model_state, opt_state, x)`` of one replica (the leading
+    replica axis squeezed off params, model state and optimizer state).
+    """
+    axes = frozenset(spec.axes)
+
+    def body(params, model_state, opt_state, *rest):
+        params, model_state, opt_state = jax.tree.map(
+            lambda x: x[0], (params, model_state, opt_state)
+        )
+        check_optimizer(opt_state, spec.check_order)
+        operands = (params, model_state, opt_state, *rest)
+        n = _phase.num_phases(opt_state)
+        ok = jnp.ones([], bool)
+        if isinstance(mode, int):
+            *new, loss, aux = work(operands, mode)
+            ok = _computed_once(_phase.phase_index(opt_state) == mode)
+            out = _outer.select(ok, tuple(new), (params, model_state, opt_state))
+        elif mode == "switch" and 1 < n <= MAX_PHASES:
+            *out, loss, aux = _switch_over_phases(work, operands, axes)
+        else:
+            *out, loss, aux = work(operands, None)
+        out = jax.tree.map(lambda x: x[None], tuple(out))
+        with jax.named_scope("metrics"):
+            loss = _collectives.all_reduce(lax.pmean, loss, spec.axes)
+            aux = _metrics_mean(aux, spec.axes)
+        return (*out, loss, aux, _collectives.cast_varying(ok, axes)[None])
+
+    return body
+
+
+def program(spec: StepSpec, mode: int | str) -> Any:
+    """The jitted step ``(params, model_state, opt_state, batch) -> (params, model_state,
+    opt_state, loss, aux, ok)`` for ``mode``: a phase (int), ``"switch"`` or ``"cond"``.
+
+    ``ok`` (one bool per replica) is false where a phase program met a state in another
+    phase; it then returned its inputs unchanged. With ``spec.lowering == "jit"`` the
+    user's loss runs under plain ``jax.jit``, mapped over the replica axis, and only the
+    update (whose collectives need the data axes bound) runs in a ``shard_map``.
+    """
+    rep = P(spec.axes)
+    manual = frozenset(spec.axes)
+    kwargs: dict[str, Any] = (
+        {} if manual == frozenset(spec.mesh.axis_names) else {"axis_names": manual}
+    )
+    donate = (0, 1, 2) if spec.donate else ()
+    options = dict(spec.compiler_options) or None
+    if spec.lowering == "shard_map":
+        mapped = jax.shard_map(
+            _replica_body(spec, mode, spec.whole_step),
+            mesh=spec.mesh,
+            in_specs=(rep, rep, rep, rep),
+            out_specs=(rep, rep, rep, P(), P(), rep),
+            **kwargs,
+        )
+        return jax.jit(mapped, donate_argnums=donate, compiler_options=options)
+
+    def update(operands, phase):
+        params, model_state, opt_state, grads, loss, aux = operands
+        grads = jax.tree.map(lambda x: x[0], grads)
+        out = spec.update((params, model_state, opt_state, grads), phase)
+        return (*out, loss[0], jax.tree.map(lambda x: x[0], aux))
+
+    mapped_update = jax.shard_map(
+        _replica_body(spec, mode, update),
+        mesh=spec.mesh,
+        in_specs=(rep,) * 6,
+        out_specs=(rep, rep, rep, P(), P(), rep),
+        **kwargs,
+    )
+
+    def step(params, model_state, opt_state, batch):
+        n = _num_replicas(spec.mesh, spec.axes)
+        per_replica = jax.tree.map(lambda x: x.reshape(n, -1, *x.shape[1:]), batch)
+        replicas = NamedSharding(spec.mesh, rep)
+        if _preflight.explicit_axes(spec.mesh, spec.axes):  # sharding in the types
+            per_replica = jax.sharding.reshard(per_replica, replicas)
+        else:
+            per_replica = jax.lax.with_sharding_constraint(per_replica, replicas)
+        loss, aux, grads, model_state = jax.vmap(spec.gradients)(params, model_state, per_replica)
+        return mapped_update(params, model_state, opt_state, grads, loss, aux)
+
+    return jax.jit(step, donate_argnums=donate, compiler_options=options)

@@ -1,0 +1,65 @@
+"""The package's layers: each folder imports only from its own and from earlier layers.
+
+The house is drawn in docs/internals.md; this test keeps it true (lazy imports inside
+functions count too: a circle hidden in a function is still a circle).
+"""
+
+import ast
+import pathlib
+
+import lsgd_jax
+
+PACKAGE = pathlib.Path(lsgd_jax.__file__).parent
+LAYERS = [  # lowest first; a folder may import from its own layer's other folders? no
+    {"_core"},
+    {"comm", "schedules"},
+    {"hook", "averaging"},
+    {"mesh"},
+    {"report", "checkpoint"},
+    {"step"},
+    {"elastic"},
+]
+LAYER = {name: k for k, names in enumerate(LAYERS) for name in names}
+TOP = {"__init__", "_moved", "demo", "elastic_coordinator"}  # the package's front door
+
+
+def imported_folders(path: pathlib.Path) -> set[str]:
+    """The lsgd_jax folders (or top-level modules) a module imports, anywhere in it."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lsgd_jax"):
+            parts = node.module.split(".")
+            found |= {parts[1]} if len(parts) > 1 else {a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("lsgd_jax.")}
+    return found
+
+
+def test_every_folder_has_a_layer():
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    modules = {p.stem for p in PACKAGE.glob("*.py")}
+    assert folders == set(LAYER), "a new folder needs its place in LAYERS and internals.md"
+    assert modules == TOP, "a module at the top: put it in the folder of its concern"
+
+
+def test_no_folder_imports_a_later_layer_or_a_peer():
+    wrong = []
+    for path in PACKAGE.rglob("*.py"):
+        folder = path.relative_to(PACKAGE).parts[0]
+        if folder not in LAYER:
+            continue
+        for other in imported_folders(path) - {folder}:
+            if other not in LAYER or LAYER[other] >= LAYER[folder]:
+                wrong.append(f"{path.relative_to(PACKAGE)} imports {other}")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_the_layers_check_finds_a_circle():
+    # the check itself: a lazy import inside a function counts
+    source = "def f():\n    from lsgd_jax.step import _step\n"
+    probe = PACKAGE.parent / "lsgd_jax_layers_probe.py"
+    try:
+        probe.write_text(source)
+        assert imported_folders(probe) == {"step"}
+    finally:
+        probe.unlink()
