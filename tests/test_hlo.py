@@ -9,7 +9,7 @@ from helpers import DATA, linear_loss, mesh_2x4, put, smap, train_step
 from jax.sharding import PartitionSpec as P
 
 import lsgd_jax
-from lsgd_jax.report._report import parse_hlo
+from lsgd_jax.report._hlo import parse_hlo
 
 PARAM_BYTES = (16 * 8 + 8) * 4  # w: f32[16, 8], b: f32[8]
 

@@ -14,15 +14,8 @@ from helpers import DATA, linear_loss, mesh_2x4, put, smap
 import lsgd_jax
 from lsgd_jax import comm
 from lsgd_jax._core import _compat
-from lsgd_jax.report._report import (
-    Collective,
-    CommunicationReport,
-    _axes_of,
-    _operand_bytes,
-    _Site,
-    _StableHLOWalk,
-    parse_stablehlo,
-)
+from lsgd_jax.report._records import Collective, CommunicationReport, _axes_of, _operand_bytes
+from lsgd_jax.report._stablehlo import _Site, _StableHLOWalk, parse_stablehlo
 
 
 def periodic(**options):

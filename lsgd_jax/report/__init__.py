@@ -1,8 +1,8 @@
 """What a compiled program communicates: its collectives, read off its HLO or StableHLO
 (for any jitted function; a step's byte ledger over a run is ``lsgd_jax.step``'s)."""
 
-from lsgd_jax.report._report import Collective
-from lsgd_jax.report._report import CommunicationReport
+from lsgd_jax.report._records import Collective
+from lsgd_jax.report._records import CommunicationReport
 from lsgd_jax.report._report import communication_report
 
 __all__ = [

@@ -25,6 +25,7 @@ from lsgd_jax._core import _validate
 from lsgd_jax.mesh import _fsdp
 from lsgd_jax.mesh._mesh import _num_replicas, data_axes
 from lsgd_jax.mesh._sync import assert_replicas_in_sync
+from lsgd_jax.report._report import communication_report
 from lsgd_jax.step import _preflight, _step_inputs, _step_program
 from lsgd_jax.step._phase_plan import PhasePlan
 from lsgd_jax.step._step_program import MAX_PHASES, StepSpec, averager_states
@@ -534,8 +535,6 @@ class DataParallelStep(_AheadOfTime):
           >>> sorted({c.scope for c in report})
           ['metrics', 'post_localSGD_hook']
         """
-        from lsgd_jax.report._report import communication_report  # noqa: PLC0415
-
         return communication_report(self, *args, **kwargs)
 
 
