@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import lsgd_jax
-from lsgd_jax.elastic import ElasticLoop, _attempts, _heal, _loop, _membership
+from lsgd_jax.elastic import ElasticLoop, _attempts, _heal, _membership, _records, _start
 
 AXES = ("node", "local")
 
@@ -428,14 +428,14 @@ def test_a_watchdog_shorter_than_a_wait_for_a_dead_peer_is_refused(monkeypatch):
         return ElasticLoop(_loss, tx, params, lambda s, lay: {}, stall_timeout_s=stall)
 
     timeouts = {"heartbeat": 3, "collective": 5, "processes": 3}
-    monkeypatch.setattr(_loop, "_TIMEOUTS", timeouts)
+    monkeypatch.setattr(_start, "_TIMEOUTS", timeouts)
     for stall in (2.0, 8):
         with pytest.raises(ValueError, match=rf"stall_timeout_s={stall:g} s .*\(8 s\)"):
             build(stall)
     for stall in (8.5, None):  # accepted: the next check wants jax.distributed
         with pytest.raises(RuntimeError, match="jax.distributed is not initialized"):
             build(stall)
-    monkeypatch.setattr(_loop, "_TIMEOUTS", {**timeouts, "processes": 1})
+    monkeypatch.setattr(_start, "_TIMEOUTS", {**timeouts, "processes": 1})
     with pytest.raises(RuntimeError, match="jax.distributed is not initialized"):
         build(2.0)
 
@@ -457,8 +457,8 @@ def test_the_loop_takes_model_state_and_aux_in_its_step_options():
 
     options = {"with_model_state": True, "has_aux": True}
     tx = optax.sgd(0.1)
-    assert _loop._check_loop_args(_ms_loss, tx, options, None, 3, _MS_INIT) == (None, 3)
-    assert _loop._check_loop_args(_loss, tx, {"has_aux": False}, None, 3) == (None, 3)
+    assert _start._check_loop_args(_ms_loss, tx, options, None, 3, _MS_INIT) == (None, 3)
+    assert _start._check_loop_args(_loss, tx, {"has_aux": False}, None, 3) == (None, 3)
 
 
 @pytest.mark.parametrize(
@@ -491,20 +491,20 @@ def test_a_state_with_model_state_is_checked_part_by_part():
     mesh = Mesh(np.array(jax.local_devices()).reshape(1, -1), AXES)
     tx, params = optax.sgd(0.1), {"w": np.zeros((3, 1), np.float32)}
     template = (params, tx, _MS_INIT)
-    state = _loop._fresh_state(mesh, *template)
+    state = _start._fresh_state(mesh, *template)
     assert len(state) == 3 and np.shape(state[1]["mean"]) == (len(jax.local_devices()), 3)
-    _loop._check_state(state, *template)  # fine
+    _start._check_state(state, *template)  # fine
     with pytest.raises(ValueError, match=r"must be \(params, model_state, opt_state\).*length 2"):
-        _loop._check_state((state[0], state[2]), *template)
+        _start._check_state((state[0], state[2]), *template)
     wrong = (state[0], {"other": state[1]["mean"]}, state[2])
     with pytest.raises(ValueError, match="its model_state tree does not have the structure"):
-        _loop._check_state(wrong, *template)
-    result = _loop._result(state, None, [])
+        _start._check_state(wrong, *template)
+    result = _records._result(state, None, [])
     assert result.model_state is state[1] and result.state == state
-    assert _loop._result(state[::2], None, []).state == state[::2]  # without: a pair
+    assert _records._result(state[::2], None, []).state == state[::2]  # without: a pair
     out = (*state, jnp.float32(1.0), {"n": 3})
-    assert _loop._split_outputs(out, 3) == (state, out[3], {"n": 3})
-    assert _loop._split_outputs(out[1:4], 2) == (state[1:], out[3], None)
+    assert _records._split_outputs(out, 3) == (state, out[3], {"n": 3})
+    assert _records._split_outputs(out[1:4], 2) == (state[1:], out[3], None)
 
 
 def test_checkpoint_trees_carry_model_state_only_when_the_loop_has_it():
@@ -632,7 +632,7 @@ def test_heal_moves_each_shard_across_replicas_only():
 def test_the_loop_takes_fsdp_over_its_local_axis_only():
 
     tx, params = optax.sgd(0.1), {"w": np.zeros((3, 4), np.float32)}
-    assert _loop._check_loop_args(_loss, tx, {"fsdp_axes": "local"}, None, 3) == (None, 3)
+    assert _start._check_loop_args(_loss, tx, {"fsdp_axes": "local"}, None, 3) == (None, 3)
     for bad in ("node", "fsdp", ("node", "local")):
         with pytest.raises(ValueError, match=rf"fsdp_axes={re.escape(repr(bad))} is not supp"):
             ElasticLoop(_loss, tx, params, lambda s, lay: {}, step_options={"fsdp_axes": bad})
@@ -643,15 +643,15 @@ def test_a_state_of_one_replica_a_process_is_checked_shard_by_shard():
     mesh = Mesh(np.array(jax.local_devices()).reshape(1, -1), AXES)
     n = len(jax.local_devices())
     tx, params = optax.adam(0.1), {"w": np.zeros((3, 2 * n), np.float32), "b": np.zeros(3)}
-    sharded = _loop._fresh_state(mesh, params, tx, None, ("local",))
+    sharded = _start._fresh_state(mesh, params, tx, None, ("local",))
     assert sharded[0]["w"].addressable_shards[0].data.shape == (1, 3, 2)
-    _loop._check_state(sharded, params, tx, None, ("local",))  # fine
-    whole = _loop._fresh_state(mesh, params, tx, None)
-    _loop._check_state(whole, params, tx, None)
+    _start._check_state(sharded, params, tx, None, ("local",))  # fine
+    whole = _start._fresh_state(mesh, params, tx, None)
+    _start._check_state(whole, params, tx, None)
     with pytest.raises(ValueError, match=r"split over this process's 8 devices \(shards of shape"):
-        _loop._check_state(whole, params, tx, None, ("local",))
+        _start._check_state(whole, params, tx, None, ("local",))
     with pytest.raises(ValueError, match="one replica of shape .* on each of this process's 8"):
-        _loop._check_state(sharded, params, tx, None)
+        _start._check_state(sharded, params, tx, None)
 
 
 def test_a_layout_counts_a_process_as_one_replica_when_the_replica_spans_it():
