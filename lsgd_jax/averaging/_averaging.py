@@ -10,22 +10,26 @@ collective runs per step.
 
 from __future__ import annotations
 
-import abc
 import dataclasses
-import logging
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Union, cast
 
 import jax
-import numpy as np
-import optax
 
 from lsgd_jax import comm
 from lsgd_jax._core import _collectives, _validate
 from lsgd_jax._core._collectives import Group, GroupSpec
-from lsgd_jax.averaging import _average_call, _fragments, _outer
+from lsgd_jax.averaging import _average_call, _fragments
 from lsgd_jax.averaging._averager_state import ModelAveragerState, check_state, initial_state
+from lsgd_jax.averaging._config import (
+    _OPTIONS_DOC,
+    _AveragerConfig,
+    _check_options,
+    _normalized,
+    _options,
+    logger,
+)
 from lsgd_jax.schedules._schedule import AdaptiveSchedule, HierarchicalSchedule, PeriodicSchedule
 
 _PERIOD_ONE = (
@@ -34,271 +38,6 @@ _PERIOD_ONE = (
     "the backward pass. Therefore, only plain data-parallel averaging of gradients should "
     "be used for this case."
 )
-NONFINITE_POLICIES = ("propagate", "exclude", "skip")
-
-logger = logging.getLogger("lsgd_jax")
-
-_OPTIONS_DOC = """
-      nonfinite: what a replica with NaN/Inf params does to an average
-        (``comm.finite_only(policy)``): ``"propagate"``
-        (default, PyTorch's behaviour: the whole group's element becomes NaN),
-        ``"exclude"`` (the mean of the finite replicas only, which the non-finite ones
-        also receive: ``average_parameters`` heals them; through ``model_averaging`` a
-        replica whose update is non-finite is healed, one whose params already are
-        keeps its NaN elements, since ``apply_updates`` adds to them, but cannot spread
-        them) or ``"skip"`` (a group with a non-finite replica does not average this
-        time). A skipped average (``"skip"`` with a non-finite replica, ``"exclude"``
-        with no finite one) changes nothing but the step: the params keep their local
-        values, and the anchor, the outer optimizer's state and its count stay as they
-        were (except that an average working from the group's common anchor, see
-        ``delta``, leaves that anchor). Both log a warning naming the replica and step
-        through the ``"lsgd_jax"`` logger (a host callback, compiled in while that logger
-        is enabled for WARNING at trace time); still one collective per average.
-        ``data_parallel_step``'s model state follows the params: a group that skipped
-        keeps its model state; where the params averaged, a replica whose own model
-        state is non-finite is left out of its mean and receives it (with either
-        policy), and one whose params were left out (``"exclude"``) still contributes a
-        finite model state (it came from a forward pass of finite numbers).
-      outer_optimizer: an optax transformation applied, at each global average, to the
-        pseudo-gradient ``anchor - mean(params)``, where ``anchor`` is the params at the
-        previous global average; the new params are ``anchor + updates`` (SlowMo, Wang
-        et al., ICLR 2020; DiLoCo, Douillard et al., 2023: ``optax.sgd(0.7,
-        momentum=0.9, nesterov=True)``). ``optax.sgd(1.0)`` is plain averaging, exactly.
-        Its state and the anchor live in the averager's state: ``init(params)``. Only
-        floating leaves take the outer step; integer leaves keep their own values.
-      outer_skip_first: the first global average is a plain average that sets the
-        anchor, and the outer optimizer acts from the second one on (default). Otherwise
-        the anchor is the params given to ``init``, and the first outer step, at the
-        switch, takes the whole synchronous warm-up as one pseudo-gradient: with
-        Nesterov momentum that overshoots it (measured on digits: accuracy dips to 93%
-        after the switch; see benchmarks/RESULTS.md). False matches DiLoCo without a
-        warm-up phase; if the replicas were given different params to ``init``, the
-        first outer step starts from the group's first replica's.
-      communication_dtype: e.g. ``jnp.bfloat16``: send the average in this dtype (an
-        all-to-all and an all-gather, about half the bytes of a float32 all-reduce) and
-        sum it in float32 (``communication=lsgd_jax.comm.compressed(dtype)``). The
-        params are then rounded to this dtype at each average unless ``delta=True``.
-      delta: average ``params - anchor`` (the change since the last global average)
-        instead of the params, and add it back to the anchor: with
-        ``communication_dtype`` the rounding then falls on the small change only.
-        Needs ``init(params)``. Until a fragment's first global average the anchor is
-        the params each replica was given to ``init``, which may differ; averages up to
-        and including that one (at every level of a hierarchy) work from the group's
-        first replica's anchor ``a``, ``a + mean(params - a)``, so the replicas come
-        together as without delta (``a`` is copied by one exact all-reduce of the
-        anchor in each of those averages, in a ``lax.cond`` on the step, or none when the
-        state is shared by every replica, passed unmapped). From then on the anchor is
-        common and only the change travels.
-      delay: ``tau`` (0: PyTorch's rule). A global average (every average of a
-        periodic averager, the last level of a hierarchical one) then lands ``tau``
-        calls after it starts: at a call t that averages, each replica keeps its params
-        ``s`` as they are and starts the mean (or the outer optimizer's step) of ``s``;
-        at call t + tau, after that call's update, params become ``params + (mean - s)``:
-        the consensus correction on top of the local progress made meanwhile, so the
-        average can travel while the next steps compute (Overlap Local-SGD: Wang,
-        Tantia, Ballas, Rabbat, "Overlap Local-SGD: An Algorithmic Approach to Hide
-        Communication Delays in Distributed SGD", ICASSP 2020; Streaming DiLoCo's
-        overlap: Douillard et al., 2025). ``1 <= tau <`` the period (``period /
-        fragments`` with fragments; the global period of a hierarchy): one average in
-        flight at a time. Needs ``init(params)``; ``s`` and the mean are in the state
-        (checkpointed). Model state (``data_parallel_step``) is averaged when the
-        average starts; ``average_opt_state`` is not supported with a delay.
-      communication: how the mean travels, a ``lsgd_jax.comm`` strategy (e.g.
-        ``comm.finite_only("skip")``, ``comm.compressed(jnp.bfloat16)``); None: from
-        ``nonfinite`` and ``communication_dtype`` (``comm.flat()`` by default). Give
-        either this or those two.
-      offload_state: True: keep the averager's buffers (the anchor, the outer
-        optimizer's state, the error-feedback residual, a delayed average's start and
-        mean) in host memory (``memory_kind="pinned_host"``) between averages, as
-        torchft stages its outer state in pinned CPU memory: an average copies them
-        onto the device, uses them and copies them back, and the steps between averages
-        do not touch them. ``replicate(tx.init(params), mesh)`` places them there. The
-        numbers are the same. None (default): on the device.
-"""
-
-
-def _normalized(group: GroupSpec) -> Group | None:
-    """An averager's ``process_group`` as ``__post_init__`` stores it (normalized)."""
-    return cast("Group | None", group)
-
-
-def _communicator(averager: Any) -> comm.Communication:
-    """The strategy an averager's options ask for (``communication=`` or the flags)."""
-    if averager.communication is not None:
-        if not isinstance(averager.communication, comm.Communication):
-            raise TypeError(
-                f"communication must be a lsgd_jax.comm strategy (e.g. "
-                f"lsgd_jax.comm.flat()), got {averager.communication!r}."
-            )
-        if averager.nonfinite != "propagate" or averager.communication_dtype is not None:
-            raise ValueError(
-                "Give either communication= or nonfinite=/communication_dtype=, not both: "
-                f"communication={averager.communication!r}, nonfinite="
-                f"{averager.nonfinite!r}, communication_dtype={averager.communication_dtype!r}."
-            )
-        return averager.communication
-    if averager.communication_dtype is not None:
-        if averager.nonfinite != "propagate":
-            raise ValueError(
-                "communication_dtype works with nonfinite='propagate' only; the "
-                f"finiteness check needs the exact all-reduce (got {averager.nonfinite!r})."
-            )
-        return comm.compressed(averager.communication_dtype)
-    if averager.nonfinite != "propagate":
-        return comm.finite_only(averager.nonfinite)
-    return comm.flat()
-
-
-def _check_options(self: Any) -> None:
-    """Validates (and normalizes) the options both averagers share."""
-    _validate.one_of(
-        self.nonfinite,
-        "nonfinite",
-        NONFINITE_POLICIES,
-        ": 'propagate' (PyTorch's behaviour: a NaN spreads to the whole group), 'exclude' "
-        "(average the finite replicas only) or 'skip' (no average for a group with a NaN)",
-    )
-    if self.outer_optimizer is not None and not isinstance(
-        self.outer_optimizer, optax.GradientTransformation
-    ):
-        raise TypeError(
-            f"outer_optimizer must be an optax GradientTransformation, got "
-            f"{self.outer_optimizer!r}; e.g. optax.sgd(0.7, momentum=0.9, nesterov=True)."
-        )
-    for flag in ("delta", "outer_skip_first"):
-        object.__setattr__(self, flag, _validate.boolean(getattr(self, flag), flag))
-    if self.offload_state is not None:  # None and False alike: on the device
-        offload = _validate.boolean(self.offload_state, "offload_state")
-        object.__setattr__(self, "offload_state", True if offload else None)
-    if self.communication_dtype is not None:
-        dtype = comm.compressed(self.communication_dtype).dtype
-        object.__setattr__(self, "communication_dtype", dtype)
-    _communicator(self)
-
-
-class _AveragerConfig(abc.ABC):
-    """An averager's configuration: its parts, groups and schedule, compared by value.
-
-    A subclass gives the schedule (``sync_schedule``), the groups, and how each level
-    resolves to a group (and fragment) where it runs.
-    """
-
-    warmup_steps: int
-    nonfinite: str
-    outer_optimizer: Any
-    outer_skip_first: bool
-    communication_dtype: Any
-    delta: bool
-    communication: Any
-    delay: int
-    offload_state: bool | None
-    process_group: GroupSpec
-
-    @property
-    @abc.abstractmethod
-    def sync_schedule(self) -> Any:
-        """When to average (a PeriodicSchedule, HierarchicalSchedule or AdaptiveSchedule)."""
-
-    @property
-    @abc.abstractmethod
-    def groups(self) -> tuple[Group | None, ...]:
-        """The group of each level (None for every bound mapped axis)."""
-
-    @abc.abstractmethod
-    def _branch_groups(self) -> list[tuple[Group, Any, bool]]:
-        """One ``(resolved group, fragment or None, is_global)`` per level, where it runs."""
-
-    @abc.abstractmethod
-    def _first_global_step(self, fragment: int) -> int:
-        """The step of the first global average of fragment ``fragment`` (0-based; 0
-        without fragments): until then the replicas' anchors may differ."""
-
-    @property
-    def communicator(self) -> comm.Communication:
-        """The communication strategy of the averages (from ``communication`` or the
-        ``nonfinite`` / ``communication_dtype`` options).
-
-        Example:
-          >>> import lsgd_jax
-          >>> lsgd_jax.PeriodicModelAverager(4, nonfinite="skip").communicator
-          FiniteOnly(policy='skip')
-        """
-        return _communicator(self)
-
-    @property
-    def parts(self) -> _outer.Parts:
-        """The averager as four parts: when (the schedule), what (the params or their
-        change since the anchor), how (the communication strategy) and then (assign the
-        mean, or an outer optimizer's step). The options build them; one average runs
-        them in that order (``_average_call.average_level``).
-
-        Example:
-          >>> import lsgd_jax
-          >>> parts = lsgd_jax.PeriodicModelAverager(4, delta=True).parts
-          >>> parts.what, parts.how, parts.then
-          (SendDelta(), Flat(), Assign())
-        """
-        what = _outer.SendDelta() if self.delta else _outer.SendParams()
-        then: _outer.Assign | _outer.OuterStep = _outer.Assign()
-        if self.outer_optimizer is not None:
-            then = _outer.OuterStep(self.outer_optimizer, self.outer_skip_first)
-        return _outer.Parts(self.sync_schedule, what, self.communicator, then)
-
-    def _identity(self) -> tuple:
-        """What equality compares: the class, the fields that are not spellings of the
-        communication strategy, and the strategy they resolve to (so ``nonfinite="skip"``
-        equals ``communication=comm.finite_only("skip")``)."""
-        spellings = ("nonfinite", "communication_dtype", "communication")
-        fields = [f.name for f in dataclasses.fields(self)]  # type: ignore[arg-type]
-        kept = tuple((n, getattr(self, n)) for n in fields if n not in spellings)
-        return type(self), kept, self.communicator
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Averager) and self._identity() == other._identity()
-
-    def __hash__(self) -> int:
-        return hash(self._identity())
-
-    @property
-    def needs_params(self) -> bool:
-        """Whether ``init`` needs the params (outer optimizer, delta, delay)."""
-        return self.parts.needs_anchor or bool(self.delay)
-
-    @property
-    def num_levels(self) -> int:
-        """How many nonzero levels ``level`` / ``schedule`` can return (one per group,
-        or per fragment)."""
-        return self.sync_schedule.num_levels
-
-    def is_global(self, level: int) -> bool:
-        """Whether an average at ``level`` (0: none) spans the global group: the last
-        group's level, or every fragment's.
-
-        Example:
-          >>> import lsgd_jax
-          >>> avg = lsgd_jax.HierarchicalModelAverager({2: "local", 8: ("node", "local")})
-          >>> [avg.is_global(k) for k in range(3)]
-          [False, False, True]
-        """
-        return self.sync_schedule.is_global(level)
-
-    @property
-    def cycle(self) -> int | None:
-        """The schedule's cycle after the warm-up: the period (periodic), the least common
-        multiple of the periods (hierarchical), None for a callable period."""
-        return self.sync_schedule.cycle
-
-    def schedule(self, num_steps: int) -> np.ndarray:
-        """The level of every call from step 0 to ``num_steps - 1`` (0: no average), for
-        every option (a callable period included): the way to count averages, e.g.
-        ``sum(map(avg.is_global, avg.schedule(1000)))`` global ones.
-
-        Example:
-          >>> import lsgd_jax
-          >>> lsgd_jax.PeriodicModelAverager(3, warmup_steps=1).schedule(8).tolist()
-          [0, 1, 0, 0, 1, 0, 0, 1]
-        """
-        return self.sync_schedule.replay(num_steps)
 
 
 class _Averager(_AveragerConfig):
@@ -435,19 +174,6 @@ class _Averager(_AveragerConfig):
             passthrough=lambda op: op,
         )
         return params, extra, self._advance(state)
-
-
-def _options() -> dict[str, Any]:
-    return {
-        "nonfinite": dataclasses.field(default="propagate", kw_only=True),
-        "outer_optimizer": dataclasses.field(default=None, kw_only=True),
-        "outer_skip_first": dataclasses.field(default=True, kw_only=True),
-        "communication_dtype": dataclasses.field(default=None, kw_only=True),
-        "delta": dataclasses.field(default=False, kw_only=True),
-        "communication": dataclasses.field(default=None, kw_only=True),
-        "delay": dataclasses.field(default=0, kw_only=True),
-        "offload_state": dataclasses.field(default=None, kw_only=True),
-    }
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # equality: _Averager._identity
