@@ -48,7 +48,7 @@ from jax import lax
 
 from lsgd_jax._core import _collectives, _validate
 from lsgd_jax._core._collectives import Group
-from lsgd_jax.comm import _quantize, _wire
+from lsgd_jax.comm import _codec, _quantize, _wire
 
 logger = logging.getLogger("lsgd_jax")
 
@@ -323,7 +323,7 @@ class Quantized(Communication):
     inner_axis: str = "local"
 
     def __post_init__(self) -> None:
-        bits, block = _quantize.check_bits_and_block(self.bits, self.block_size)
+        bits, block = _codec.check_bits_and_block(self.bits, self.block_size)
         object.__setattr__(self, "bits", bits)
         object.__setattr__(self, "block_size", block)
         for flag in ("error_feedback", "two_level"):
