@@ -1,113 +1,23 @@
-"""How a mean travels: communication strategies for the hook and the averagers.
-
-A strategy takes the mean of a pytree over a group of replicas (mesh axes, or an
-IndexGroups under ``pmap``) inside ``shard_map``/``pmap``. The hook
-(:func:`~lsgd_jax.post_local_sgd`, ``communication=``) uses it for the gradient means,
-the averagers (``communication=``) for the model averages; both only call
-``strategy.mean(...)``, so a new way to communicate is a new strategy, not a change to
-them.
-
-- :func:`flat`: one all-reduce of every floating leaf (PyTorch's behaviour; the default).
-- :func:`finite_only`: the same all-reduce with a finiteness flag riding along, so that
-  a replica with NaN/Inf values is left out (``"exclude"``) or its group does not
-  average (``"skip"``).
-- :func:`compressed`: the values travel in a narrower dtype (bfloat16), summed in
-  float32 (an all-to-all and an all-gather: half the bytes of a float32 all-reduce).
-- :func:`two_level`: a global mean as reduce-scatter inside the node, all-reduce across
-  nodes, all-gather inside the node: each value crosses the slow link about once.
-- :func:`quantized`: the values travel as 8- or 4-bit integers with per-block scales
-  (about a quarter or an eighth of the float32 bytes), with error feedback: what
-  rounding dropped is kept per replica and sent with the next mean.
-
-Every strategy keeps each leaf's dtype and varying-axes type (so a mean can sit in one
-branch of a ``lax.cond``), averages floating and complex leaves only, sums narrow
-floats in float32, and gives an empty leaf back as its own mean (a tree of empty leaves
-sends nothing). Strategies check their arguments when built, by the factory or the class.
-
-Example:
-  >>> import jax.numpy as jnp, optax, lsgd_jax
-  >>> tx = optax.chain(
-  ...     lsgd_jax.post_local_sgd(100, communication=lsgd_jax.comm.flat()),
-  ...     optax.sgd(0.1),
-  ...     lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(
-  ...         8, warmup_steps=100, communication=lsgd_jax.comm.compressed(jnp.bfloat16))),
-  ... )
+"""The strategies: flat, finite-only, compressed, two-level and quantized means, and the
+functions that build them (the package docstring, ``lsgd_jax.comm``, says how to choose).
 """
 
 from __future__ import annotations
 
-import abc
 import dataclasses
 import functools
 import logging
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from lsgd_jax._core import _collectives, _validate
-from lsgd_jax._core._collectives import Group
 from lsgd_jax.comm import _codec, _quantize, _wire
-
-logger = logging.getLogger("lsgd_jax")
+from lsgd_jax.comm._base import Communication, Mean, logger
 
 NONFINITE_POLICIES = ("exclude", "skip")
-
-
-class Mean(NamedTuple):
-    """What a strategy's ``mean`` returns.
-
-    Attributes:
-      value: the averaged tree (each leaf in its own dtype and varying-axes type).
-      skipped: None when the strategy never skips (a static fact), else a bool scalar,
-        the same on every replica of the group: this group kept its own values
-        (``value`` is then the input tree).
-      state: the strategy's new state (None for stateless strategies).
-    """
-
-    value: Any
-    skipped: jax.Array | None
-    state: Any
-
-
-class Communication(abc.ABC):
-    """How the mean of a pytree over a group of replicas is computed and sent.
-
-    Subclasses are frozen dataclasses (hashable: they are static configuration) that
-    implement ``mean``; a strategy that keeps per-replica state (e.g. error feedback)
-    also implements ``init``.
-
-    Example:
-      >>> import jax.numpy as jnp, lsgd_jax
-      >>> strategy = lsgd_jax.comm.quantized(8)
-      >>> isinstance(strategy, lsgd_jax.comm.Communication)
-      True
-      >>> strategy.init({"w": jnp.ones(2)})  # its error-feedback residual, zeros
-      {'w': Array([0., 0.], dtype=float32)}
-    """
-
-    @abc.abstractmethod
-    def mean(
-        self, tree: Any, group: Group, state: Any = None, *, cast: bool = True, step: Any = None
-    ) -> Mean:
-        """The mean of ``tree``'s floating leaves over ``group``.
-
-        Args:
-          tree: this replica's values.
-          group: a resolved group (a tuple of bound mesh axes, or an IndexGroups).
-          state: this strategy's state (from ``init``), or None.
-          cast: give each leaf back its own varying-axes type (False keeps the
-            collective's narrower type, e.g. invariant for a global mean).
-          step: the caller's step count, for log messages.
-
-        Returns:
-          A :class:`Mean`.
-        """
-
-    @abc.abstractmethod
-    def init(self, tree: Any) -> Any:
-        """The initial state for values shaped like ``tree`` (None: stateless)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,43 +153,6 @@ class Compressed(Communication):
 
     def init(self, tree: Any) -> None:
         del tree
-
-
-def apply(
-    strategy: Communication,
-    tree: Any,
-    group: Group,
-    state: Any = None,
-    *,
-    cast: bool = True,
-    step: Any = None,
-) -> Mean:
-    """``strategy.mean(...)``, with each leaf given back its dtype (and, with ``cast``,
-    its varying-axes type): what the hook and the averagers call, so that a strategy
-    written elsewhere need not restore types itself.
-
-    Args:
-      strategy: a :class:`Communication`.
-      tree, group, state, cast, step: as for :meth:`Communication.mean`.
-
-    Returns:
-      A :class:`Mean`.
-
-    Example:
-      >>> import jax, jax.numpy as jnp, lsgd_jax
-      >>> from jax.sharding import PartitionSpec as P
-      >>> mesh = lsgd_jax.make_mesh(2, 2)
-      >>> f = jax.jit(jax.shard_map(
-      ...     lambda x: lsgd_jax.comm.apply(lsgd_jax.comm.flat(), x, ("node", "local")).value,
-      ...     mesh=mesh, in_specs=P(("node", "local")), out_specs=P(("node", "local"))))
-      >>> f(jnp.arange(4.0))
-      Array([1.5, 1.5, 1.5, 1.5], dtype=float32)
-    """
-    out = strategy.mean(tree, group, state, cast=cast, step=step)
-    value = jax.tree.map(lambda v, x: jnp.asarray(v).astype(jnp.result_type(x)), out.value, tree)
-    if cast:
-        value = _collectives.cast_tree_like(value, tree)
-    return Mean(value, out.skipped, out.state)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -568,20 +441,3 @@ def quantized(
       https://arxiv.org/abs/2501.18512.
     """
     return Quantized(bits, block_size, error_feedback, two_level, inner_axis)
-
-
-__all__ = [
-    "Communication",
-    "Compressed",
-    "FiniteOnly",
-    "Flat",
-    "Mean",
-    "Quantized",
-    "TwoLevel",
-    "apply",
-    "compressed",
-    "finite_only",
-    "flat",
-    "quantized",
-    "two_level",
-]

@@ -1,0 +1,110 @@
+"""What every communication strategy is: the abstract Communication, the Mean it
+returns, and apply (a strategy's mean with each leaf's dtype and varying-axes type
+given back).
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from lsgd_jax._core import _collectives
+from lsgd_jax._core._collectives import Group
+
+logger = logging.getLogger("lsgd_jax")
+
+
+class Mean(NamedTuple):
+    """What a strategy's ``mean`` returns.
+
+    Attributes:
+      value: the averaged tree (each leaf in its own dtype and varying-axes type).
+      skipped: None when the strategy never skips (a static fact), else a bool scalar,
+        the same on every replica of the group: this group kept its own values
+        (``value`` is then the input tree).
+      state: the strategy's new state (None for stateless strategies).
+    """
+
+    value: Any
+    skipped: jax.Array | None
+    state: Any
+
+
+class Communication(abc.ABC):
+    """How the mean of a pytree over a group of replicas is computed and sent.
+
+    Subclasses are frozen dataclasses (hashable: they are static configuration) that
+    implement ``mean``; a strategy that keeps per-replica state (e.g. error feedback)
+    also implements ``init``.
+
+    Example:
+      >>> import jax.numpy as jnp, lsgd_jax
+      >>> strategy = lsgd_jax.comm.quantized(8)
+      >>> isinstance(strategy, lsgd_jax.comm.Communication)
+      True
+      >>> strategy.init({"w": jnp.ones(2)})  # its error-feedback residual, zeros
+      {'w': Array([0., 0.], dtype=float32)}
+    """
+
+    @abc.abstractmethod
+    def mean(
+        self, tree: Any, group: Group, state: Any = None, *, cast: bool = True, step: Any = None
+    ) -> Mean:
+        """The mean of ``tree``'s floating leaves over ``group``.
+
+        Args:
+          tree: this replica's values.
+          group: a resolved group (a tuple of bound mesh axes, or an IndexGroups).
+          state: this strategy's state (from ``init``), or None.
+          cast: give each leaf back its own varying-axes type (False keeps the
+            collective's narrower type, e.g. invariant for a global mean).
+          step: the caller's step count, for log messages.
+
+        Returns:
+          A :class:`Mean`.
+        """
+
+    @abc.abstractmethod
+    def init(self, tree: Any) -> Any:
+        """The initial state for values shaped like ``tree`` (None: stateless)."""
+
+
+def apply(
+    strategy: Communication,
+    tree: Any,
+    group: Group,
+    state: Any = None,
+    *,
+    cast: bool = True,
+    step: Any = None,
+) -> Mean:
+    """``strategy.mean(...)``, with each leaf given back its dtype (and, with ``cast``,
+    its varying-axes type): what the hook and the averagers call, so that a strategy
+    written elsewhere need not restore types itself.
+
+    Args:
+      strategy: a :class:`Communication`.
+      tree, group, state, cast, step: as for :meth:`Communication.mean`.
+
+    Returns:
+      A :class:`Mean`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, lsgd_jax
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = lsgd_jax.make_mesh(2, 2)
+      >>> f = jax.jit(jax.shard_map(
+      ...     lambda x: lsgd_jax.comm.apply(lsgd_jax.comm.flat(), x, ("node", "local")).value,
+      ...     mesh=mesh, in_specs=P(("node", "local")), out_specs=P(("node", "local"))))
+      >>> f(jnp.arange(4.0))
+      Array([1.5, 1.5, 1.5, 1.5], dtype=float32)
+    """
+    out = strategy.mean(tree, group, state, cast=cast, step=step)
+    value = jax.tree.map(lambda v, x: jnp.asarray(v).astype(jnp.result_type(x)), out.value, tree)
+    if cast:
+        value = _collectives.cast_tree_like(value, tree)
+    return Mean(value, out.skipped, out.state)
