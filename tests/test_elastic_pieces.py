@@ -18,7 +18,15 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import lsgd_jax
-from lsgd_jax.elastic import ElasticLoop, _attempts, _heal, _membership, _records, _start
+from lsgd_jax.elastic import (
+    ElasticLoop,
+    _attempts,
+    _device_order,
+    _heal,
+    _membership,
+    _records,
+    _start,
+)
 
 AXES = ("node", "local")
 
@@ -41,7 +49,7 @@ def test_every_epoch_until_the_cycle_has_its_own_device_order(n_proc, d):
     total = math.factorial(n_proc) * math.factorial(d) ** n_proc
     orders = []
     for epoch in range(total + 1):
-        rows = _membership.device_rows(epoch, devices)
+        rows = _device_order.device_rows(epoch, devices)
         # Each row is one whole process, with all of its devices.
         assert sorted(r[0].process_index for r in rows) == list(range(n_proc))
         for r in rows:
@@ -56,7 +64,7 @@ def test_every_epoch_until_the_cycle_has_its_own_device_order(n_proc, d):
 def test_the_permutation_numbering_matches_itertools():
     items = list("abcd")
     for i, perm in enumerate(itertools.permutations(items)):
-        assert _membership._permutation(i, items) == list(perm)
+        assert _device_order._permutation(i, items) == list(perm)
 
 
 def test_a_view_survives_its_json_round_trip():
@@ -276,7 +284,7 @@ def test_a_failed_attempt_with_the_same_members_gets_a_new_epoch(monkeypatch):
     assert m.agree(members, 3, 1, first, failed=0) == retry  # now the others read it
     assert m.agree(members, 3, 2, first, failed=None) == retry
     devices = {p: [f"{p}a", f"{p}b"] for p in range(3)}
-    assert _membership.device_rows(1, devices) != _membership.device_rows(0, devices)
+    assert _device_order.device_rows(1, devices) != _device_order.device_rows(0, devices)
     # A failure of an older epoch does not bump the current one again.
     assert m.agree(members, 3, 0, retry, failed=0) == retry
     # A failure only some processes saw after agreeing: the leader's own attempt failed

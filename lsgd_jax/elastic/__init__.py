@@ -48,9 +48,9 @@ from lsgd_jax.elastic._records import ElasticResult
 from lsgd_jax.elastic._records import StepRecord
 from lsgd_jax.elastic._initialize import initialize
 from lsgd_jax.elastic._initialize import shutdown
-from lsgd_jax.elastic._membership import CoordinatorLostError
+from lsgd_jax.elastic._process import CoordinatorLostError
 from lsgd_jax.elastic._membership import Layout
-from lsgd_jax.elastic._membership import LeftBehindError
+from lsgd_jax.elastic._process import LeftBehindError
 
 __all__ = [
     "CoordinatorLostError",

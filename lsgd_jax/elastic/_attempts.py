@@ -20,14 +20,9 @@ from typing import Any
 import jax
 
 from lsgd_jax._core import _compat
-from lsgd_jax.elastic import _heal, _membership
-from lsgd_jax.elastic._membership import (
-    CoordinatorLostError,
-    Layout,
-    LeftBehindError,
-    RunEndedError,
-    View,
-)
+from lsgd_jax.elastic import _heal, _membership, _process
+from lsgd_jax.elastic._membership import Layout, View
+from lsgd_jax.elastic._process import CoordinatorLostError, LeftBehindError, RunEndedError
 
 logger = logging.getLogger("lsgd_jax.elastic")
 AXES = ("node", "local")
@@ -181,7 +176,7 @@ def _live_members() -> tuple[tuple[int, int], ...]:
     incarnation = mh.live_devices.devices
     assert incarnation is not None  # set by entering the block
     members = tuple(sorted({(d.process_index, int(i)) for d, i in incarnation.items()}))
-    return check_members(members, jax.process_index(), _membership.external_coordinator())
+    return check_members(members, jax.process_index(), _process.external_coordinator())
 
 
 def check_members(
@@ -364,7 +359,7 @@ class Attempts:
             state, step = _restarted(self.restart, view, layout), view.step
         elif changed or self.given is not None:
             state, step = adopt(state, step, view, layout, changed, self._fresh, self._inside)
-        if _membership.newcomer() and self.last_step is not None and step >= self.last_step:
+        if _process.newcomer() and self.last_step is not None and step >= self.last_step:
             # A (re)started process met the survivors after their last step (they are
             # at their consensus): it was healed with them, but has no step to run.
             self.over = step
@@ -396,7 +391,7 @@ class Attempts:
         if changed and self.view is not None:
             _log_change(step, self.view, view, layout.processes)
         self.view, self.layout, self.given, self._failed = view, layout, None, None
-        _membership.note_committed()
+        _process.note_committed()
         if changed:  # its joiners hold the model now (see _membership.leader)
             _membership.mark_committed(view.epoch)
         return out, step, changed
@@ -423,7 +418,7 @@ class Attempts:
                 out, new_step, changed = self._attempt(state, step, work, label)
             except Exception as e:
                 if self.over is not None:
-                    raise _membership.run_over(jax.process_index(), self.over) from None
+                    raise _process.run_over(jax.process_index(), self.over) from None
                 if not peer_gone(e):  # the user's error (or the coordinator's loss): at once
                     raise
                 # Its view's communicators may be broken: a retry gets a new epoch.
@@ -444,7 +439,7 @@ class Attempts:
                     ) from e
                 continue
             if self.over is not None:
-                raise _membership.run_over(jax.process_index(), self.over)
+                raise _process.run_over(jax.process_index(), self.over)
             disturbed = bool(failures) or (changed and self.records_started)
             recovery = time.perf_counter() - start if disturbed else None
             return out, new_step, recovery, tuple(failures)

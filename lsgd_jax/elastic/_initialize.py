@@ -16,8 +16,8 @@ import jax
 import numpy as np
 
 from lsgd_jax._core import _validate
-from lsgd_jax.elastic import _membership
-from lsgd_jax.elastic._membership import CoordinatorLostError
+from lsgd_jax.elastic import _membership, _process
+from lsgd_jax.elastic._process import CoordinatorLostError
 from lsgd_jax.step._compile_cache import use_compilation_cache
 
 logger = logging.getLogger("lsgd_jax.elastic")
@@ -154,7 +154,7 @@ def initialize(
         # Process 0's own service, unused when the job's service runs elsewhere: any free port.
         coordinator_bind_address="127.0.0.1:0" if external_coordinator else None,
     )
-    _membership.set_external_coordinator(external_coordinator)
+    _process.set_external_coordinator(external_coordinator)
     if external_coordinator and process_id == 0:
         _membership.forget_global_topology()
 
@@ -268,7 +268,7 @@ def shutdown(processes: Any = None, timeout_s: float = 30.0) -> None:
     """
     _positive_seconds(timeout_s, "lsgd_jax.elastic.shutdown: timeout_s")
     c, me = _membership.client(), jax.process_index()
-    if me != 0 or _membership.external_coordinator():
+    if me != 0 or _process.external_coordinator():
         c.key_value_set(f"{_membership.PREFIX}/done/{me}", "1", allow_overwrite=True)
         jax.distributed.shutdown()
         return

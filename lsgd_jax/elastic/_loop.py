@@ -12,7 +12,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lsgd_jax.elastic import _attempts, _elastic_checkpoint, _membership
+from lsgd_jax.elastic import _attempts, _elastic_checkpoint, _membership, _process
 from lsgd_jax.elastic._initialize import shutdown
 from lsgd_jax.elastic._membership import Layout
 from lsgd_jax.elastic._records import ElasticResult, StepRecord, _record, _result, _split_outputs
@@ -113,9 +113,9 @@ def _begin(attempts, checkpoints, template, num_steps: int, first_step: int, ini
     state = _start_state(num_steps, first_step, initial_state, ran, template)
     attempts.given = state  # moved onto the mesh by the first attempt that succeeds
     attempts.records_started, attempts.last_step = False, num_steps
-    end = _membership.finished_step() if _membership.newcomer() else None
+    end = _membership.finished_step() if _process.newcomer() else None
     if end is not None and end >= num_steps:  # (re)started after the run was over
-        raise _membership.run_over(jax.process_index(), end)
+        raise _process.run_over(jax.process_index(), end)
     return first_step, state
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,65 +36,12 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from lsgd_jax.elastic._device_order import device_rows
+from lsgd_jax.elastic._process import CoordinatorLostError, RunEndedError, run_over
+
 PREFIX = "lsgd_jax/elastic"
 logger = logging.getLogger("lsgd_jax.elastic")
 _PATIENCE_S = 15.0  # a membership record takes milliseconds: log a longer wait
-
-
-class CoordinatorLostError(RuntimeError):
-    """The coordination service (process 0's, or ``lsgd_jax.elastic_coordinator``'s) is
-    gone, or every process that held the model is: no elastic run can go on.
-
-    Example:
-      >>> import lsgd_jax
-      >>> issubclass(lsgd_jax.elastic.CoordinatorLostError, RuntimeError)
-      True
-    """
-
-
-class LeftBehindError(RuntimeError):
-    """The other processes declared this one dead (it was stopped, or cut off, for longer
-    than the heartbeat timeout) and went on without it: it is not in the live set, and
-    holds a model they no longer follow. Restart the process: it then joins the running
-    job like any restarted one.
-
-    Example:
-      >>> import lsgd_jax
-      >>> issubclass(lsgd_jax.elastic.LeftBehindError, RuntimeError)
-      True
-    """
-
-
-class RunOver(SystemExit):
-    """This process (re)started after the run it would join was over: it exits with
-    status 0 (a ``SystemExit``), after one line saying so."""
-
-
-# This process's part in the job: whether the coordination service runs elsewhere, and
-# whether an attempt of any loop of this process committed (it is no newcomer).
-_PROCESS = {"external_coordinator": False, "committed": False}
-
-
-def set_external_coordinator(value: bool) -> None:
-    """Records whether the coordination service runs in a process of its own."""
-    _PROCESS["external_coordinator"] = bool(value)
-
-
-def external_coordinator() -> bool:
-    """Whether the coordination service runs in a process of its own (then process 0 is
-    a trainer like any other)."""
-    return _PROCESS["external_coordinator"]
-
-
-def note_committed() -> None:
-    """Records that an attempt of this process committed: it is part of the run (a new
-    loop it builds, e.g. to go on from a result, is not a newcomer)."""
-    _PROCESS["committed"] = True
-
-
-def newcomer() -> bool:
-    """Whether no attempt of this process committed yet (it (re)started)."""
-    return not _PROCESS["committed"]
 
 
 FINISHED = f"{PREFIX}/finished"
@@ -116,22 +62,6 @@ def finished_step() -> int | None:
         return int(client().key_value_try_get(FINISHED))
     except Exception:  # NOT_FOUND: not finished
         return None
-
-
-def run_over(me: int, step: int) -> RunOver:
-    """The exit of a process that arrives after the run ended at ``step``; prints the one
-    line that says so."""
-    line = (
-        f"lsgd_jax.elastic: process {me} arrived after the run was over (it ended at step "
-        f"{step}); nothing to do, exiting with status 0."
-    )
-    print(line, flush=True)
-    return RunOver(0)
-
-
-class RunEndedError(RuntimeError):
-    """Another process ended the run with an error in the user's code or arguments (its
-    own traceback shows it): every process stops, as after that error on each."""
 
 
 def _error_key(process: int) -> str:
@@ -567,55 +497,3 @@ def forget_own_gloo_keys(device_ids: set[int]) -> list[str]:
             c.key_value_delete(prefix + group)
             gone.append(prefix + group)
     return gone
-
-
-def _permutation(index: int, items: list[Any]) -> list[Any]:
-    """The ``index``-th permutation of ``items`` (factorial number system; 0: as is).
-
-    Example:
-      >>> from lsgd_jax.elastic._membership import _permutation
-      >>> [_permutation(i, [1, 2, 3]) for i in range(3)]
-      [[1, 2, 3], [1, 3, 2], [2, 1, 3]]
-    """
-    items, out = list(items), []
-    for k in range(len(items), 0, -1):
-        f = math.factorial(k - 1)
-        out.append(items.pop(index // f))
-        index %= f
-    return out
-
-
-def device_rows(epoch: int, devices_by_process: dict[int, list[Any]]) -> list[list[Any]]:
-    """The mesh rows (one per process) of an epoch: a device order no other epoch uses.
-
-    Every device group of the mesh (a process's devices, one device of each process)
-    gets its own gloo communicator, keyed by its ordered devices, and a failed attempt
-    can leave one dirty. So consecutive epochs change every process's local order
-    (the lowest digit, shared by all processes) before the order of the rows, and then
-    the per-process offsets: all ``n! * (d!)**n`` orders come before one repeats.
-
-    Args:
-      epoch: the membership's number.
-      devices_by_process: each live process's devices, in their usual order.
-
-    Returns:
-      One list of devices per live process; epoch 0 keeps every order as given.
-
-    Example:
-      >>> from lsgd_jax.elastic._membership import device_rows
-      >>> devices = {0: ["a", "b"], 1: ["c", "d"]}
-      >>> device_rows(0, devices), device_rows(1, devices), device_rows(2, devices)
-      ([['a', 'b'], ['c', 'd']], [['b', 'a'], ['d', 'c']], [['c', 'd'], ['a', 'b']])
-    """
-    procs = sorted(devices_by_process)
-    n, fd = len(procs), math.factorial(len(devices_by_process[procs[0]]))
-    index = epoch % (math.factorial(n) * fd**n)
-    index, shared = divmod(index, fd)
-    index, rows_digit = divmod(index, math.factorial(n))
-    rows = []
-    for i, p in enumerate(_permutation(rows_digit, procs)):
-        offset = 0
-        if i > 0:
-            index, offset = divmod(index, fd)
-        rows.append(_permutation((shared + offset) % fd, list(devices_by_process[p])))
-    return rows

@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from lsgd_jax._core import _validate
-from lsgd_jax.elastic import _attempts, _membership
+from lsgd_jax.elastic import _attempts, _membership, _process
 from lsgd_jax.elastic._initialize import _TIMEOUTS, _positive_seconds
 
 
@@ -208,7 +208,7 @@ def _fresh_job(initial_state: Any, first_step: Any, ran: bool) -> bool:
     """Whether run() starts a job that may resume from a checkpoint: no state given,
     this loop never ran, and no membership recorded yet (a process that restarts in a
     running job joins it instead)."""
-    if initial_state is not None or first_step != 0 or ran or not _membership.newcomer():
+    if initial_state is not None or first_step != 0 or ran or not _process.newcomer():
         return False
     return _membership._latest(_membership.client()) is None
 
