@@ -237,9 +237,6 @@ def _per_replica(tree: Any, who: str) -> None:
         "Replicate it with lsgd_jax.replicate(x, mesh) (one copy per replica), or leave "
         f"it out of the tree: pass only the replicated part, e.g. {who}(state['params'])."
     )
-    misread = {"consensus": "its own elements would be averaged"}.get(
-        who, "its first element would be taken for a replica's copy"
-    )
     leaves = [(jax.tree_util.keystr(k) or "(root)", x) for k, x in tree_flatten_with_path(tree)[0]]
     for name, x in leaves:
         if not (hasattr(x, "shape") and hasattr(x, "dtype")):
@@ -248,23 +245,50 @@ def _per_replica(tree: Any, who: str) -> None:
                 "leading replica axis: a Python value is one value for all replicas, with "
                 f"no replica's copy to take and nothing to average. {fix}"
             )
-    # The replica count: from the leaves laid out on a mesh, else the host leaves' own.
-    counts: dict[int, str] = {}  # replicas -> the first leaf laid out with that many
+    counts = _replica_counts_on_meshes(leaves, who, fix)
+    if counts:
+        n, first = next(iter(counts.items()))
+        why = f"as leaf {first} is laid out on its mesh"
+    else:  # no mesh in sight: the replica count most leaves agree on
+        firsts = collections.Counter(np.shape(x)[0] for _, x in leaves if np.ndim(x))
+        n, why = (firsts.most_common(1)[0][0] if firsts else 0), "as most leaves have"
+    misread = {"consensus": "its own elements would be averaged"}.get(
+        who, "its first element would be taken for a replica's copy"
+    )
+    for name, x in leaves:
+        shape = tuple(np.shape(x))
+        if not shape or shape[0] != n:
+            raise ValueError(
+                f"{who}: leaf {name} has shape {shape}, but per-replica values have a "
+                f"leading axis of {n} replicas ({why}); "
+                f"{misread if shape else 'a scalar has none'}. {fix}"
+            )
+        if counts and n > 1 and isinstance(x, jax.Array) and len(x.sharding.device_set) == 1:
+            raise ValueError(
+                f"{who}: leaf {name} of shape {shape} lives on one device, not on the "
+                f"mesh of the replicas ({why}): it was never replicated, so its leading "
+                f"axis is not the {n} replicas' even if it has that length. {fix}"
+            )
+
+
+def _replica_counts_on_meshes(leaves: list[tuple[str, Any]], who: str, fix: str) -> dict:
+    """``{replicas: first leaf}`` of the leaves laid out on a mesh, each checked to be
+    split over the data axes, one entry a replica; at most one count in a tree."""
+    counts: dict[int, str] = {}
     for name, x in leaves:
         layout = _leading_split(x)
         if layout is None or not x.shape:
             continue
         axes, mesh = layout
         data = data_axes(mesh)
-        n_data = _num_replicas(mesh, data)
         if not axes and x.shape[0] > 1:  # (a single replica's axis is not split: P(None))
             raise ValueError(
                 f"{who}: leaf {name} of shape {x.shape} is one copy on every device of its "
                 f"mesh (sharding {x.sharding.spec}), not one per replica: per-replica "
                 f"values have one entry a replica on their leading axis, split over the "
-                f"data axes {data} ({n_data} replicas, one a device, as lsgd_jax.replicate"
-                f"(x, mesh) makes). {fix} If its rows are the replicas' values, lay them "
-                f"out so: jax.device_put(x, NamedSharding(mesh, P({data})))."
+                f"data axes {data} ({_num_replicas(mesh, data)} replicas, one a device, as "
+                f"lsgd_jax.replicate(x, mesh) makes). {fix} If its rows are the replicas' "
+                f"values, lay them out so: jax.device_put(x, NamedSharding(mesh, P({data})))."
             )
         count = _num_replicas(mesh, axes)
         if not set(axes) <= set(data):
@@ -288,26 +312,7 @@ def _per_replica(tree: Any, who: str) -> None:
             "one tree holds the values of one set of replicas. Pass values replicated over "
             "different meshes or axes in separate calls."
         )
-    if counts:
-        n, first = next(iter(counts.items()))
-        why = f"as leaf {first} is laid out on its mesh"
-    else:  # no mesh in sight: the replica count most leaves agree on
-        firsts = collections.Counter(np.shape(x)[0] for _, x in leaves if np.ndim(x))
-        n, why = (firsts.most_common(1)[0][0] if firsts else 0), "as most leaves have"
-    for name, x in leaves:
-        shape = tuple(np.shape(x))
-        if not shape or shape[0] != n:
-            raise ValueError(
-                f"{who}: leaf {name} has shape {shape}, but per-replica values have a "
-                f"leading axis of {n} replicas ({why}); "
-                f"{misread if shape else 'a scalar has none'}. {fix}"
-            )
-        if counts and n > 1 and isinstance(x, jax.Array) and len(x.sharding.device_set) == 1:
-            raise ValueError(
-                f"{who}: leaf {name} of shape {shape} lives on one device, not on the "
-                f"mesh of the replicas ({why}): it was never replicated, so its leading "
-                f"axis is not the {n} replicas' even if it has that length. {fix}"
-            )
+    return counts
 
 
 def unreplicate(tree: Any) -> Any:

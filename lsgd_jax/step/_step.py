@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -207,25 +206,7 @@ def data_parallel_step(
       0.004
     """
     axes = _step_inputs.check_axes(mesh, axes if axes is not None else data_axes(mesh))
-    if not any(specialize is v for v in (True, False)) and specialize != "switch":
-        raise ValueError(
-            f"data_parallel_step: specialize must be True, False or 'switch', got {specialize!r}."
-        )
-    _validate.one_of(
-        lowering,
-        "data_parallel_step: lowering",
-        ("shard_map", "jit"),
-        ": 'shard_map' (the whole step in one shard_map) or 'jit' (the loss under plain "
-        "jax.jit, the collectives in a shard_map of their own)",
-    )
-    if overlap is not None and _validate.boolean(overlap, "data_parallel_step: overlap"):
-        warnings.warn(
-            "data_parallel_step: overlap=True is deprecated and has no effect: a delayed "
-            "average's mean is taken inside the step that starts it, so that the state "
-            "every step returns is complete. Drop the argument.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+    _step_inputs.check_modes(specialize, lowering, overlap)
     has_aux, with_model_state, donate = (
         _validate.boolean(value, f"data_parallel_step: {name}")
         for name, value in (

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from lsgd_jax._core import _validate
+
 
 def check_axes(mesh: Mesh, axes: Any) -> tuple[str, ...]:
     """``axes`` (a name or a sequence of names) as a tuple of ``mesh``'s axis names.
@@ -133,6 +135,39 @@ def place_batch(batch: Any, mesh: Mesh, axes: tuple[str, ...]) -> Any:
         return jax.device_put(x, sharding)
 
     return jax.tree.map(place, batch)
+
+
+def check_modes(specialize: Any, lowering: Any, overlap: Any) -> None:
+    """``data_parallel_step``'s ``specialize`` and ``lowering``, and the deprecated
+    ``overlap`` (a DeprecationWarning when True).
+
+    Example:
+      >>> from lsgd_jax.step._step_inputs import check_modes
+      >>> check_modes("switch", "shard_map", None)
+      >>> check_modes(1, "shard_map", None)
+      Traceback (most recent call last):
+      ...
+      ValueError: data_parallel_step: specialize must be True, False or 'switch', got 1.
+    """
+    if not any(specialize is v for v in (True, False)) and specialize != "switch":
+        raise ValueError(
+            f"data_parallel_step: specialize must be True, False or 'switch', got {specialize!r}."
+        )
+    _validate.one_of(
+        lowering,
+        "data_parallel_step: lowering",
+        ("shard_map", "jit"),
+        ": 'shard_map' (the whole step in one shard_map) or 'jit' (the loss under plain "
+        "jax.jit, the collectives in a shard_map of their own)",
+    )
+    if overlap is not None and _validate.boolean(overlap, "data_parallel_step: overlap"):
+        warnings.warn(
+            "data_parallel_step: overlap=True is deprecated and has no effect: a delayed "
+            "average's mean is taken inside the step that starts it, so that the state "
+            "every step returns is complete. Drop the argument.",
+            DeprecationWarning,
+            stacklevel=3,
+        )
 
 
 def check_compiler_options(options: Any) -> tuple[tuple[str, Any], ...]:
