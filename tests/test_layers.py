@@ -63,3 +63,41 @@ def test_the_layers_check_finds_a_circle():
         assert imported_folders(probe) == {"step"}
     finally:
         probe.unlink()
+
+
+def test_no_module_function_or_class_outgrows_its_room():
+    # a module over 500 lines, a function over 60 or a class over 150 (docstrings not
+    # counted) usually holds more than one concern
+    big = []
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text()
+        if len(text.splitlines()) > 500:
+            big.append(f"{path.relative_to(PACKAGE)}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                body = node.body
+                if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                    body = body[1:]
+                if not body:
+                    continue
+                size = body[-1].end_lineno - body[0].lineno + 1
+                limit = 150 if isinstance(node, ast.ClassDef) else 60
+                if size > limit:
+                    big.append(f"{path.relative_to(PACKAGE)}: {node.name}, {size} lines")
+    assert not big, "\n".join(big)
+
+
+def test_no_code_outside_comm_tests_for_a_strategys_class():
+    # strategies answer what they can do (may_skip, rounds_small_values, alongside, init)
+    classes = {"Flat", "FiniteOnly", "Compressed", "TwoLevel", "Quantized"}
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.relative_to(PACKAGE).parts[0] == "comm":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
+                names = {n.attr for n in ast.walk(node.args[1]) if isinstance(n, ast.Attribute)}
+                names |= {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+                if names & classes:
+                    found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert not found, found

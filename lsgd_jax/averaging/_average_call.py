@@ -213,8 +213,11 @@ def _land(params: Any, state: ModelAveragerState) -> Any:
 def alongside(averager: Any, tree: Any, state: ModelAveragerState, strategy: Any = None) -> Any:
     """The plain group mean of ``tree`` on the branch ``state`` takes (no anchor, outer
     optimizer or fragments; the strategy's state is not advanced), sent with
-    ``strategy`` (default: :func:`strategy_alongside` of the averager's)."""
-    strategy = strategy_alongside(averager.communicator) if strategy is None else strategy
+    ``strategy`` (default: the averager's strategy's ``alongside()``: as the params
+    travel, except that a quantized strategy sends them in float32, two-level where it
+    is: they get no error feedback, and block scales would round small entries, such
+    as running variances, to zero)."""
+    strategy = averager.communicator.alongside() if strategy is None else strategy
 
     def mean(t, group):
         return comm.apply(strategy, t, group, None, step=state.step).value
@@ -239,27 +242,10 @@ def like_params(
     skip of their own: they are averaged exactly where the params were); a replica whose
     params were left out (``"exclude"``) still contributes finite values.
     """
-    strategy = strategy_alongside(averager.communicator)
-    if isinstance(strategy, comm.FiniteOnly):
+    strategy = averager.communicator.alongside()
+    if strategy.may_skip:  # values alongside are never skipped on their own account
         strategy = comm.finite_only("exclude")
     mean = alongside(averager, tree, before, strategy)
     if after.skipped is None:
         return mean
     return _collectives.cast_like(_outer.select(after.skipped, tree, mean), tree)
-
-
-def strategy_alongside(strategy: Any) -> Any:
-    """How values averaged alongside the params (model state) travel: as the params do,
-    except that a quantized strategy sends them in float32 (two-level where it is):
-    they get no error feedback, and block scales would round small entries, such as
-    running variances, to zero; they are small next to the params.
-
-    Example:
-      >>> from lsgd_jax import comm
-      >>> from lsgd_jax.averaging._average_call import strategy_alongside
-      >>> strategy_alongside(comm.quantized(4, two_level=True))
-      TwoLevel(inner_axis='local')
-    """
-    if isinstance(strategy, comm.Quantized):
-        return comm.two_level(strategy.inner_axis) if strategy.two_level else comm.flat()
-    return strategy

@@ -8,7 +8,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lsgd_jax import comm
 from lsgd_jax._core._struct import Struct, pytree_dataclass, static_field
 
 
@@ -132,6 +131,6 @@ def initial_state(averager: Any, params: Any = None) -> ModelAveragerState:
     if averager.delay:
         start = jax.tree.map(jnp.asarray, params)
         state = state.replace(inflight_start=start, inflight_mean=start)
-    if isinstance(averager.communicator, comm.FiniteOnly):
+    if averager.communicator.may_skip:
         state = state.replace(skipped=jnp.zeros([], bool))
     return state.replace(comm_state=averager.communicator.init(params))

@@ -17,7 +17,6 @@ from typing import Any, Union, cast
 
 import jax
 
-from lsgd_jax import comm
 from lsgd_jax._core import _collectives, _validate
 from lsgd_jax._core._collectives import Group, GroupSpec
 from lsgd_jax.averaging import _average_call, _fragments
@@ -151,7 +150,7 @@ class _Averager(_AveragerConfig):
           Array([15., 15., 15., 15.], dtype=float32)
         """
         check_state(state, "average_parameters", self)
-        if isinstance(self.communicator, comm.Quantized) and extra is not None:
+        if self.communicator.rounds_small_values and extra is not None:
             raise ValueError(
                 f"average_tree: extra values cannot travel with a quantized communication "
                 f"({self.communicator!r}): they would be rounded in blocks scaled by each "

@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lsgd_jax import comm
 from lsgd_jax._core import _collectives
 from lsgd_jax._core._struct import Struct, pytree_dataclass
 from lsgd_jax.averaging import _average_call
@@ -132,12 +131,12 @@ def _check_opt_state_communication(averager: Averager, average_opt_state: Any) -
     """Refuses ``average_opt_state`` with a quantized communication: its leaves would be
     quantized in blocks, with no error feedback of their own."""
     strategy = averager.communicator
-    if average_opt_state is None or not isinstance(strategy, comm.Quantized):
+    if average_opt_state is None or not strategy.rounds_small_values:
         return
     raise ValueError(
         f"post_local_sgd_optimizer: average_opt_state cannot travel with a quantized "
         f"communication ({strategy!r}): the chosen optimizer-state leaves would be rounded "
-        f"to {strategy.bits}-bit integers in blocks scaled by each block's largest value, "
+        "to small integers in blocks scaled by each block's largest value, "
         "with no error feedback of their own, so small entries round to 0 (Adam's second "
         "moments: a zeroed entry turns the next update of that parameter into lr * m / "
         "eps). Average them with an exact or bfloat16 communication (communication="

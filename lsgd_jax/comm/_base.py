@@ -72,6 +72,34 @@ class Communication(abc.ABC):
     def init(self, tree: Any) -> Any:
         """The initial state for values shaped like ``tree`` (None: stateless)."""
 
+    # What a strategy can do, asked instead of testing for its class (a strategy written
+    # elsewhere answers for itself; these are the defaults of an exact mean).
+
+    @property
+    def may_skip(self) -> bool:
+        """Whether a mean may be skipped for a group (``Mean.skipped``), so that whoever
+        averages keeps a record of skips beside the values (default False)."""
+        return False
+
+    @property
+    def rounds_small_values(self) -> bool:
+        """Whether small values next to large ones of the same block may round to zero
+        (integers with block scales): values with no error feedback of their own, such as
+        Adam's second moments or running variances, must not travel so (default False).
+        """
+        return False
+
+    def alongside(self) -> Communication:
+        """The strategy for values averaged alongside the ones this strategy sends (a
+        model's batch statistics next to its params): by default this one.
+
+        Example:
+          >>> import lsgd_jax
+          >>> lsgd_jax.comm.quantized(4, two_level=True).alongside()  # no block rounding
+          TwoLevel(inner_axis='local')
+        """
+        return self
+
 
 def apply(
     strategy: Communication,

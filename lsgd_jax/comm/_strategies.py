@@ -65,6 +65,10 @@ class FiniteOnly(Communication):
 
     policy: str = "exclude"
 
+    @property
+    def may_skip(self) -> bool:
+        return True
+
     def __post_init__(self) -> None:
         _validate.one_of(
             self.policy,
@@ -194,6 +198,15 @@ class Quantized(Communication):
     error_feedback: bool = True
     two_level: bool = False
     inner_axis: str = "local"
+
+    @property
+    def rounds_small_values(self) -> bool:
+        return True
+
+    def alongside(self) -> Communication:
+        # in float32 (two-level where this is): no error feedback of their own, and block
+        # scales would round small entries such as running variances to zero
+        return TwoLevel(self.inner_axis) if self.two_level else Flat()
 
     def __post_init__(self) -> None:
         bits, block = _codec.check_bits_and_block(self.bits, self.block_size)
