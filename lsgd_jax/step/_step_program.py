@@ -103,11 +103,21 @@ def _average_like_params(model_state: Any, opt_state: Any, new_opt_state: Any) -
         )
     (state,) = states
     (after,) = averager_states(new_opt_state)
-    return lax.cond(
-        after.step != state.step,
-        lambda tree: _average_call.like_params(state.averager, tree, state, after),
-        lambda tree: tree,
-        model_state,
+    ran = after.step != state.step
+
+    def average(tree):
+        return _average_call.like_params(state.averager, tree, state, after)
+
+    if state.pinned_phase is None:
+        return lax.cond(ran, average, lambda tree: tree, model_state)
+    # A phase program keeps every collective out of conditionals: XLA:CPU may start a
+    # collective that follows a conditional (the metrics' mean) before the one inside
+    # it, on some devices and not others, and with every worker thread waiting in one of
+    # the two the step deadlocks (seen in CI: 5 devices in the global mean, 3 in their
+    # node's). The mean is taken as the phase says and dropped where the averager did not
+    # run (an optax wrapper such as MultiSteps skipped it): bytes spent only there.
+    return _collectives.cast_like(
+        _outer.select(ran, average(model_state), model_state), model_state
     )
 
 
