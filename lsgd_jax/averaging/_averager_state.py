@@ -8,12 +8,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lsgd_jax._core._struct import Struct, pytree_dataclass, static_field
+from lsgd_jax._core import _state_protocol as sp
+from lsgd_jax._core._struct import pytree_dataclass
 
 
 @pytree_dataclass
 @dataclasses.dataclass(frozen=True, eq=False)
-class ModelAveragerState(Struct):
+class ModelAveragerState(sp.PhasedState):
     """The state of a model averager: its step count, and (static) which averager.
 
     A pytree. ``averager`` is static metadata, so a training loop can tell from an
@@ -55,17 +56,23 @@ class ModelAveragerState(Struct):
       (0, 4)
     """
 
-    step: jax.Array
-    averager: Any = static_field(default=None)
-    anchor: Any = None
-    outer_state: Any = None
-    outer_count: Any = None
-    last_sync: Any = None
-    comm_state: Any = None
-    inflight_start: Any = None
-    inflight_mean: Any = None
-    skipped: Any = None
-    pinned_phase: int | None = static_field(default=None)
+    COUNTER_FIELD = "step"
+
+    step: jax.Array = sp.field(sp.COUNTER)
+    # described field by field in a checkpoint; blanked in its structure (the format of
+    # saved checkpoints: never change it)
+    averager: Any = sp.field(
+        sp.CONFIG, default=None, metadata={"checkpoint": "fields", "blank": None}
+    )
+    anchor: Any = sp.field(sp.BUFFER, default=None)
+    outer_state: Any = sp.field(sp.BUFFER, default=None)
+    outer_count: Any = sp.field(sp.COUNTER, default=None)
+    last_sync: Any = sp.field(sp.COUNTER, default=None)
+    comm_state: Any = sp.field(sp.RESIDUAL, default=None)
+    inflight_start: Any = sp.field(sp.BUFFER, default=None)
+    inflight_mean: Any = sp.field(sp.BUFFER, default=None)
+    skipped: Any = sp.field(sp.FLAG, default=None)
+    pinned_phase: int | None = sp.field(sp.PIN, default=None)
 
     @property
     def num_phases(self) -> int:
@@ -87,6 +94,25 @@ class ModelAveragerState(Struct):
             return jnp.zeros([], jnp.int32)
         schedule = self.averager.sync_schedule
         return jnp.asarray(schedule.phase(self.step, self.last_sync), jnp.int32)
+
+    def phase_digits(self, num_steps: int) -> list[int]:
+        """The level at each of the next ``num_steps`` calls, replayed on the host from
+        a snapshot's counters (host ints); OverflowError where the schedule cannot
+        continue (see ``sync_schedule.check_calls``)."""
+        schedule = self.averager.sync_schedule
+        step = int(self.step)
+        schedule.check_calls(step, num_steps, type(self.averager).__name__)
+        last = 0 if self.last_sync is None else int(self.last_sync)
+        digits = []
+        for s in range(step, step + num_steps):
+            digits.append(schedule.phase(s, last))
+            last = s if schedule.level(s, last) else last
+        return digits
+
+    def calls_left(self) -> int | None:
+        """Calls before the step counter meets the int32 maximum under a schedule that
+        cannot continue past it (None: it can go on); from a snapshot."""
+        return self.averager.sync_schedule.calls_left(int(self.step))
 
 
 def check_state(state: Any, what: str, averager: Any) -> None:

@@ -10,14 +10,14 @@ a step that does not average leaves them where they are. The counters (step, cou
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
 
+from lsgd_jax._core import _state_protocol as sp
 from lsgd_jax.averaging._averager_state import ModelAveragerState
 
-BUFFERS = ("anchor", "outer_state", "comm_state", "inflight_start", "inflight_mean")
+BUFFERS = sp.names(ModelAveragerState, sp.BUFFER, sp.RESIDUAL)  # per replica, like params
 HOST = "pinned_host"
 
 
@@ -50,9 +50,8 @@ def is_offloaded(node: Any) -> bool:
 def place(state: ModelAveragerState, put: Any) -> ModelAveragerState:
     """``state`` placed by ``put(leaf, memory_kind)``: its buffers in host memory, its
     counters on the device."""
-    data = [f.name for f in dataclasses.fields(state) if not f.metadata.get("static")]
     fields = {
         name: jax.tree.map(lambda x, kind=HOST if name in BUFFERS else None: put(x, kind), value)
-        for name, value in ((n, getattr(state, n)) for n in data)
+        for name, value in ((n, getattr(state, n)) for n in sp.data_names(state))
     }
     return state.replace(**fields)

@@ -21,10 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from lsgd_jax.averaging._averager_state import ModelAveragerState
-from lsgd_jax.hook._state import _META, PostLocalSGDState
-
-_HOOK_FIELDS = (*_META, "communication")
+from lsgd_jax._core import _state_protocol as sp
 
 _ADDRESS = re.compile(r"\s+at 0x[0-9a-fA-F]+|0x[0-9a-fA-F]{6,}")
 _FUNCTION_DEPTH = 8  # nested functions followed through closures (optax.chain of chains)
@@ -154,21 +151,27 @@ def _simple(x: Any) -> str | None:
     return None
 
 
-def _is_static_node(x: Any) -> bool:
-    return isinstance(x, (PostLocalSGDState, ModelAveragerState))
+_is_static_node = sp.is_state
 
 
-_AVERAGER_DATA = tuple(
-    f.name for f in dataclasses.fields(ModelAveragerState) if not f.metadata.get("static")
-)
+def _described(name: str, value: Any, by_fields: bool) -> dict[str, str]:
+    """A CONFIG field's description: its value, or (``by_fields``, a configuration
+    object such as the averager) its type and each of its fields."""
+    if not by_fields or value is None or not dataclasses.is_dataclass(value):
+        return {name: _stable(value)}
+    fields = {name: type(value).__qualname__}
+    for f in dataclasses.fields(value):
+        fields[f"{name}.{f.name}"] = _stable(getattr(value, f.name))
+    return fields
 
 
-def _averager_fields(averager: Any) -> dict[str, str]:
-    if averager is None or not dataclasses.is_dataclass(averager):
-        return {"averager": _stable(averager)}
-    fields = {"averager": type(averager).__qualname__}
-    for f in dataclasses.fields(averager):
-        fields[f"averager.{f.name}"] = _stable(getattr(averager, f.name))
+def _config_fields(node: Any) -> dict[str, str]:
+    """Every CONFIG field of a state, described (see ``sp.field``'s ``checkpoint``)."""
+    fields: dict[str, str] = {}
+    for f in dataclasses.fields(node):
+        if f.metadata.get("role") == sp.CONFIG:
+            by_fields = f.metadata.get("checkpoint") == "fields"
+            fields.update(_described(f.name, getattr(node, f.name), by_fields))
     return fields
 
 
@@ -195,14 +198,9 @@ def static_config(tree: Any) -> dict[str, dict[str, Any]]:
             if not _is_static_node(node):
                 continue
             where = prefix + jax.tree_util.keystr(path)
-            if isinstance(node, PostLocalSGDState):
-                fields = {n: _stable(getattr(node, n)) for n in _HOOK_FIELDS}
-            else:
-                fields = _averager_fields(node.averager)
-            config[where] = {"type": type(node).__name__, "fields": fields}
-            if isinstance(node, ModelAveragerState):
-                for name in _AVERAGER_DATA:  # an outer optimizer's state may hold more
-                    visit(f"{where}.{name}", getattr(node, name))
+            config[where] = {"type": type(node).__name__, "fields": _config_fields(node)}
+            for name in sp.data_names(node):  # an outer optimizer's state may hold more
+                visit(f"{where}.{name}", getattr(node, name))
 
     visit("", tree)
     return config
@@ -212,15 +210,11 @@ def skeleton(tree: Any) -> str:
     """The tree structure with the post-local SGD states' static fields blanked out."""
 
     def blank(node: Any) -> Any:
-        if isinstance(node, PostLocalSGDState):
-            return node.replace(
-                process_group=None,
-                subgroup=None,
-                start_localSGD_iter=0,
-                post_local_gradient_allreduce=True,
-            )
-        inner = {n: _blank_static(getattr(node, n), blank) for n in _AVERAGER_DATA}
-        return node.replace(averager=None, **inner)
+        blanks = {
+            f.name: f.metadata["blank"] for f in dataclasses.fields(node) if "blank" in f.metadata
+        }
+        inner = {n: _blank_static(getattr(node, n), blank) for n in sp.data_names(node)}
+        return node.replace(**blanks, **inner)
 
     return strip_addresses(str(jax.tree.structure(_blank_static(tree, blank))))
 

@@ -24,7 +24,6 @@ pays ``mean(residuals)``, which every new replica then holds. docs/checkpoints.m
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -34,13 +33,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lsgd_jax.averaging._averager_state import ModelAveragerState
+from lsgd_jax._core import _state_protocol as sp
 from lsgd_jax.mesh._sync import ReplicasOutOfSyncError, _ranges
 
-_SKIPPED = "skipped"  # ModelAveragerState.skipped: whether any saved replica's group did
-_AVERAGER_DATA = tuple(
-    f.name for f in dataclasses.fields(ModelAveragerState) if not f.metadata.get("static")
-)
+_SKIPPED = sp.FLAG  # whether any saved replica's group did (ModelAveragerState.skipped)
 
 
 def read_abstract(manifest: dict, paths: list[str], abstract: list[Any], step: int) -> list[Any]:
@@ -103,23 +99,9 @@ def _saved_like(path: str, x: Any, saved: tuple[int, ...]) -> Any:
 
 
 def roles(target: Any) -> list[str]:
-    """For each leaf of ``target`` (in flatten order): ``"skipped"`` for a
-    ``ModelAveragerState.skipped``, else ``"value"``."""
-
-    def is_state(x: Any) -> bool:
-        return isinstance(x, ModelAveragerState)
-
-    def mark(node: Any) -> Any:
-        if not is_state(node):
-            return "value"
-        fields = {n: getattr(node, n) for n in _AVERAGER_DATA}
-        marked = {n: jax.tree.map(lambda _, n=n: n, v) for n, v in fields.items()}
-        return node.replace(**marked)
-
-    return [
-        _SKIPPED if r == _SKIPPED else "value"
-        for r in jax.tree.leaves(jax.tree.map(mark, target, is_leaf=is_state))
-    ]
+    """For each leaf of ``target`` (in flatten order): ``sp.FLAG`` for a state's flag
+    (whether any replica's group skipped), else ``"value"``."""
+    return [_SKIPPED if r == sp.FLAG else "value" for r in sp.leaf_roles(target)]
 
 
 def _reduce(x: Any, role: str, xp: Any) -> tuple[Any, Any]:

@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from lsgd_jax._core import _state_protocol as sp
 from lsgd_jax.mesh._mesh import _num_replicas, replica_spec
 
 
@@ -118,16 +119,19 @@ def _heal_program(mesh: Mesh, axes: tuple[str, ...], specs: Any = None):
             got = jax.lax.psum(jnp.where(s, x, jnp.zeros_like(x)), axes)
             return jnp.where(joining.reshape(s.shape), got, x)
 
-        def state_leaf(path, x):
-            # A communication strategy's residual (error feedback) is what rounding took
-            # from THIS replica's params; a joiner's params are the survivors' mean, so
-            # its residual starts at zero rather than as a copy of another replica's.
-            if ".comm_state" in jax.tree_util.keystr(path):
-                zero = jnp.zeros_like(x)
-                return jnp.where(joining.reshape((1,) + (1,) * (x.ndim - 1)), zero, x)
-            return pick(x)
+        def residual(x):
+            # A residual (error feedback) is what rounding took from THIS replica's
+            # params; a joiner's params are the survivors' mean, so its residual starts
+            # at zero rather than as a copy of another replica's.
+            zero = jnp.zeros_like(x)
+            return jnp.where(joining.reshape((1,) + (1,) * (x.ndim - 1)), zero, x)
 
-        return jax.tree.map(mean, params), jax.tree_util.tree_map_with_path(state_leaf, opt_state)
+        leaves, treedef = jax.tree.flatten(opt_state)
+        healed = [
+            residual(x) if role == sp.RESIDUAL else pick(x)
+            for x, role in zip(leaves, sp.leaf_roles(opt_state), strict=True)
+        ]
+        return jax.tree.map(mean, params), jax.tree.unflatten(treedef, healed)
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(*specs, spec, spec), out_specs=specs))
 

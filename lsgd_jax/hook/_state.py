@@ -12,8 +12,9 @@ import optax
 from jax import lax
 
 from lsgd_jax._core import _collectives, _validate
+from lsgd_jax._core import _state_protocol as sp
 from lsgd_jax._core._collectives import GroupSpec
-from lsgd_jax._core._struct import Struct, static_field
+from lsgd_jax._core._struct import Struct
 
 logger = logging.getLogger("lsgd_jax")
 
@@ -78,7 +79,7 @@ def _register(cls: Any) -> Any:
 
 @_register
 @dataclasses.dataclass(frozen=True, init=False, eq=False, repr=False)
-class PostLocalSGDState(Struct):
+class PostLocalSGDState(sp.PhasedState):
     """The state of :func:`post_localSGD_hook`: a step count and where to average.
 
     An immutable pytree. Its array leaves are ``iter`` (an int32 scalar, 0 at
@@ -124,14 +125,18 @@ class PostLocalSGDState(Struct):
       2
     """
 
-    iter: jax.Array
-    process_group: Any = static_field()
-    subgroup: Any = static_field()
-    start_localSGD_iter: int = static_field()
-    post_local_gradient_allreduce: bool = static_field()
-    communication: Any = static_field()
-    pinned_phase: int | None = static_field()
-    comm_state: Any = None
+    COUNTER_FIELD = "iter"
+
+    iter: jax.Array = sp.field(sp.COUNTER)
+    # "blank": the value a checkpoint's structure records in its place (its own line
+    # says what changed); the format of saved checkpoints, so never change one.
+    process_group: Any = sp.field(sp.CONFIG, metadata={"blank": None})
+    subgroup: Any = sp.field(sp.CONFIG, metadata={"blank": None})
+    start_localSGD_iter: int = sp.field(sp.CONFIG, metadata={"blank": 0})
+    post_local_gradient_allreduce: bool = sp.field(sp.CONFIG, metadata={"blank": True})
+    communication: Any = sp.field(sp.CONFIG)
+    pinned_phase: int | None = sp.field(sp.PIN)
+    comm_state: Any = sp.field(sp.RESIDUAL, default=None)
 
     def __init__(
         self,
@@ -209,6 +214,12 @@ class PostLocalSGDState(Struct):
         if self.num_phases == 1:
             return jnp.zeros([], jnp.int32)
         return (self.iter < self.start_localSGD_iter).astype(jnp.int32)
+
+    def phase_digits(self, num_steps: int) -> list[int]:
+        """The phase at each of the next ``num_steps`` calls, from a snapshot's ``iter``
+        (a host int): 1 while it is under ``start_localSGD_iter``."""
+        first = int(self.iter)
+        return [int(first + t < self.start_localSGD_iter) for t in range(num_steps)]
 
     @property
     def local_sgd_started(self) -> jax.Array:

@@ -17,8 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from lsgd_jax.averaging._averager_state import ModelAveragerState
-from lsgd_jax.hook._state import PostLocalSGDState
+from lsgd_jax._core import _state_protocol as sp
 
 # One record per counter value held here: (counter index, replica, device id, value).
 _FIELDS = 4
@@ -43,8 +42,7 @@ class ReplicasOutOfSyncError(RuntimeError):
         self.values = values
 
 
-def _is_counter_node(x: Any) -> bool:
-    return isinstance(x, (PostLocalSGDState, ModelAveragerState))
+_is_counter_node = sp.is_state
 
 
 def step_counters(tree: Any) -> dict[str, Any]:
@@ -89,10 +87,8 @@ def step_counters(tree: Any) -> dict[str, Any]:
     found = {}
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_counter_node)
     for path, node in flat:
-        if isinstance(node, PostLocalSGDState):
-            found[jax.tree_util.keystr(path) + ".iter"] = node.iter
-        elif isinstance(node, ModelAveragerState):
-            found[jax.tree_util.keystr(path) + ".step"] = node.step
+        if sp.is_state(node):
+            found[f"{jax.tree_util.keystr(path)}.{node.COUNTER_FIELD}"] = node.counter
     return found
 
 

@@ -24,20 +24,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lsgd_jax.averaging._averager_state import ModelAveragerState
-from lsgd_jax.hook._state import PostLocalSGDState
+from lsgd_jax._core import _state_protocol as sp
 
-STATE_TYPES = (PostLocalSGDState, ModelAveragerState)
-
-
-def _is_state(x: Any) -> bool:
-    return isinstance(x, STATE_TYPES)
+_is_state = sp.is_state
 
 
 def branching_states(opt_state: Any) -> list[Any]:
     """The hook and averager states with more than one phase, in tree order."""
-    leaves = jax.tree.leaves(opt_state, is_leaf=_is_state)
-    return [x for x in leaves if _is_state(x) and x.num_phases > 1]
+    return [x for x in sp.states(opt_state) if x.num_phases > 1]
 
 
 def num_phases(opt_state: Any) -> int:
@@ -99,69 +93,29 @@ def pin(opt_state: Any, index: int) -> Any:
     branching = [i for i, x in enumerate(leaves) if _is_state(x) and x.num_phases > 1]
     for i in reversed(branching):  # the last state is the lowest digit
         index, digit = divmod(index, leaves[i].num_phases)
-        leaves[i] = leaves[i].replace(pinned_phase=digit)
+        leaves[i] = leaves[i].pin(digit)
     return jax.tree.unflatten(treedef, leaves)
 
 
 def unpin(opt_state: Any) -> Any:
     """``opt_state`` with every pin cleared."""
     return jax.tree.map(
-        lambda x: x.replace(pinned_phase=None) if _is_state(x) else x,
+        lambda x: x.pin(None) if _is_state(x) else x,
         opt_state,
         is_leaf=_is_state,
     )
 
 
-def _first(x: Any) -> int:
-    """The first value of a counter held here (per-replica or not), as a Python int;
-    the replicas' counters agree, so any process reads its own."""
-    if isinstance(x, jax.Array):
-        x = x.addressable_data(0)
-    return int(np.asarray(x).reshape(-1)[0])
-
-
 def counters_snapshot(opt_state: Any) -> list[Any]:
     """The branching states with their counters as host ints and nothing else: what a
     replay needs, read from this process's own shards (a few ints, any process)."""
-    out = []
-    for state in branching_states(opt_state):
-        if isinstance(state, PostLocalSGDState):
-            out.append(state.replace(iter=_first(state.iter), comm_state=None))
-        else:
-            last = _first(state.last_sync) if state.last_sync is not None else None
-            out.append(
-                state.replace(
-                    step=_first(state.step),
-                    last_sync=last,
-                    anchor=None,
-                    outer_state=None,
-                    outer_count=None,
-                    comm_state=None,
-                    inflight_start=None,
-                    inflight_mean=None,
-                )
-            )
-    return out
+    return [state.snapshot() for state in branching_states(opt_state)]
 
 
 def replay_digits(opt_state: Any, num_steps: int) -> np.ndarray:
     """Each branching state's phase at each of the next ``num_steps`` steps, replayed in
     plain Python: an int array ``[states, steps]`` (see :func:`replay_phases`)."""
-    rows = []
-    for state in branching_states(opt_state):
-        if isinstance(state, PostLocalSGDState):
-            first = _first(state.iter)
-            rows.append([int(first + t < state.start_localSGD_iter) for t in range(num_steps)])
-            continue
-        schedule = state.averager.sync_schedule
-        step = _first(state.step)
-        schedule.check_calls(step, num_steps, type(state.averager).__name__)
-        last = _first(state.last_sync) if state.last_sync is not None else 0
-        digits = []
-        for s in range(step, step + num_steps):
-            digits.append(schedule.phase(s, last))
-            last = s if schedule.level(s, last) else last
-        rows.append(digits)
+    rows = [state.snapshot().phase_digits(num_steps) for state in branching_states(opt_state)]
     return np.asarray(rows, np.int64).reshape(len(rows), num_steps)
 
 
@@ -178,11 +132,7 @@ def calls_left(opt_state: Any) -> int | None:
       >>> calls_left(state) == 2**31 - 1, calls_left(state.replace(step=jnp.int32(2**31 - 3)))
       (True, 2)
     """
-    rooms = [
-        state.averager.sync_schedule.calls_left(_first(state.step))
-        for state in branching_states(opt_state)
-        if isinstance(state, ModelAveragerState)
-    ]
+    rooms = [state.snapshot().calls_left() for state in branching_states(opt_state)]
     return min((r for r in rooms if r is not None), default=None)
 
 

@@ -103,7 +103,7 @@ def _average_like_params(model_state: Any, opt_state: Any, new_opt_state: Any) -
         )
     (state,) = states
     (after,) = averager_states(new_opt_state)
-    ran = after.step != state.step
+    ran = after.counter != state.counter
 
     def average(tree):
         return _average_call.like_params(state.averager, tree, state, after)
