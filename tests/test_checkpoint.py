@@ -171,3 +171,18 @@ def test_checkpoint_errors_say_what_to_fix(tmp_path):
     assert lsgd_jax.latest_checkpoint_step(tmp_path) == 6
     with pytest.raises(FileNotFoundError, match=r"saved steps: \[5, 6\]"):
         lsgd_jax.restore_checkpoint(tmp_path, state, step=4)
+
+
+def test_the_checkpoint_format_is_written_in_one_place():
+    """save_checkpoint and the elastic loop's writer both build a step with
+    checkpoint/_format.py: nothing else writes an orbax item or a manifest (issue 28)."""
+    import pathlib
+
+    root = pathlib.Path(lsgd_jax.__file__).parent
+    writers = {
+        str(path.relative_to(root))
+        for path in root.rglob("*.py")
+        for marker in ("JsonSave(", "StandardSave(", '"skeleton":', "CheckpointManager(")
+        if marker in path.read_text()
+    }
+    assert writers == {"checkpoint/_format.py"}

@@ -26,43 +26,18 @@ import numpy as np
 from lsgd_jax._core import _validate
 from lsgd_jax.checkpoint import _checkpoint_config as _config
 from lsgd_jax.checkpoint import _checkpoint_files as _files
-from lsgd_jax.checkpoint import _resize
+from lsgd_jax.checkpoint import _format, _resize
 from lsgd_jax.checkpoint._checkpoint_files import UnreadableCheckpointError
 from lsgd_jax.mesh._sync import assert_replicas_in_sync
 
-_ARRAYS, _MANIFEST = "arrays", "manifest"
-
-
-def _ocp():
-    try:
-        import orbax.checkpoint as ocp
-    except ImportError as e:  # pragma: no cover - exercised only without orbax
-        raise ImportError(
-            "lsgd_jax checkpoints need orbax-checkpoint: pip install 'lsgd_jax[checkpoint]'."
-        ) from e
-    return ocp
-
-
-def _manager(directory: str | os.PathLike, max_to_keep: int | None = None):
-    ocp = _ocp()
-    options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep,
-        create=True,  # creating the folder is a barrier: every process saves
-        enable_async_checkpointing=False,
-    )
-    return ocp.CheckpointManager(
-        os.path.abspath(os.fspath(directory)), options=options, item_names=(_ARRAYS, _MANIFEST)
-    )
-
-
-def _flatten(tree: Any) -> tuple[list[str], list[Any], Any]:
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    paths = [jax.tree_util.keystr(p) for p, _ in flat]
-    return paths, [x for _, x in flat], treedef
-
-
-def _leaf_names(n: int) -> list[str]:
-    return [f"leaf_{i:05d}" for i in range(n)]
+_ARRAYS, _MANIFEST = _format.ARRAYS, _format.MANIFEST
+_ocp, _manager, _flatten, _leaf_names, _steps = (
+    _format.ocp,
+    _format.manager,
+    _format.flatten,
+    _format.leaf_names,
+    _format.steps,
+)
 
 
 def _as_array(path: str, x: Any) -> Any:
@@ -117,29 +92,13 @@ def save_checkpoint(
       10
     """
     step = _validate.nonnegative_int(step, "save_checkpoint: step")
-    ocp = _ocp()
+    _ocp()  # ImportError with the install hint before anything else
     paths, leaves, treedef = _flatten(tree)
     leaves = [_as_array(p, x) for p, x in zip(paths, leaves)]
-    manifest = {
-        "paths": paths,
-        "shapes": [list(np.shape(x)) for x in leaves],
-        "dtypes": [str(np.dtype(x.dtype)) for x in leaves],
-        "treedef": str(treedef),  # what older versions compare
-        "static": _config.static_config(tree),
-        "skeleton": _config.skeleton(tree),
-    }
+    manifest = _format.manifest(tree, paths, leaves, treedef)
     _files.set_aside_if_damaged(directory, int(step))
     with _manager(directory, max_to_keep) as manager:
-        manager.save(
-            int(step),
-            args=ocp.args.Composite(
-                **{
-                    _ARRAYS: ocp.args.StandardSave(dict(zip(_leaf_names(len(leaves)), leaves))),
-                    _MANIFEST: ocp.args.JsonSave(manifest),
-                }
-            ),
-            force=True,
-        )
+        manager.save(int(step), args=_format.save_args(leaves, manifest), force=True)
         manager.wait_until_finished()
         step_dir = os.fspath(manager.directory / str(int(step)))
     if jax.process_index() == 0:  # the step folder is final: every process wrote its files
@@ -178,13 +137,6 @@ def latest_checkpoint_step(directory: str | os.PathLike) -> int | None:
             return step
         warnings.warn(_files.skipped_message("latest_checkpoint_step", step, *damage), stacklevel=2)
     return None
-
-
-def _steps(directory: str | os.PathLike) -> list[int]:
-    """The complete checkpoints' steps: a listing, no collective (any process may ask)."""
-    if not os.path.isdir(directory):
-        return []
-    return sorted(_ocp().utils.checkpoint_steps(os.path.abspath(os.fspath(directory))))
 
 
 def _abstract(path: str, x: Any) -> Any:

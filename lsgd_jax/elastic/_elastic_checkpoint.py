@@ -41,8 +41,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from lsgd_jax._core import _validate
-from lsgd_jax.checkpoint import _checkpoint
-from lsgd_jax.checkpoint import _checkpoint_config as _config
+from lsgd_jax.checkpoint import _checkpoint, _format
 from lsgd_jax.checkpoint import _checkpoint_files as _files
 from lsgd_jax.elastic._attempts import data_axes
 
@@ -83,7 +82,7 @@ def check_args(checkpoint_dir: Any, checkpoint_every: Any) -> tuple[str | None, 
     path = os.path.abspath(os.fspath(checkpoint_dir))
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"ElasticLoop: checkpoint_dir={path!r} exists and is not a folder.")
-    _checkpoint._ocp()  # ImportError now, with the install hint, if orbax is missing
+    _format.ocp()  # ImportError now, with the install hint, if orbax is missing
     return path, every
 
 
@@ -106,7 +105,7 @@ def latest_step(directory: str | os.PathLike) -> int | None:
     if not os.path.isdir(directory):
         return None
     names = {n for n in os.listdir(directory) if n.isdigit()}
-    for step in reversed(_checkpoint._steps(directory)):
+    for step in reversed(_format.steps(directory)):
         if str(step) in names and _files.damage(_files.step_dir(directory, step)) is None:
             return step
     return None
@@ -193,15 +192,8 @@ class Checkpoints:
             return
         if any(s == step for _, _, s in self._pending):
             return  # this process's writer of this step is still at it
-        paths, leaves, treedef = _checkpoint._flatten(tree)
-        manifest = {
-            "paths": paths,
-            "shapes": [list(np.shape(x)) for x in leaves],
-            "dtypes": [str(np.dtype(x.dtype)) for x in leaves],
-            "treedef": str(treedef),
-            "static": _config.static_config(tree),
-            "skeleton": _config.skeleton(tree),
-        }
+        paths, leaves, treedef = _format.flatten(tree)
+        manifest = _format.manifest(tree, paths, leaves, treedef)
         child, staging = _start_writer(self.directory, step, leaves, manifest)
         self._pending.append((child, staging, step))
 
@@ -330,17 +322,9 @@ def write_staged(staging: str, directory: str, step: int) -> None:
 
     with open(os.path.join(staging, "state.pkl"), "rb") as f:
         staged = pickle.load(f)
-    leaves, ocp = staged["leaves"], _checkpoint._ocp()
-    arrays = dict(zip(_checkpoint._leaf_names(len(leaves)), leaves))
-    items = {
-        _checkpoint._ARRAYS: ocp.args.StandardSave(arrays),
-        _checkpoint._MANIFEST: ocp.args.JsonSave(staged["manifest"]),
-    }
     out = os.path.join(staging, "ckpt")
-    options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
-    names = (_checkpoint._ARRAYS, _checkpoint._MANIFEST)
-    with ocp.CheckpointManager(out, options=options, item_names=names) as manager:
-        manager.save(step, args=ocp.args.Composite(**items), force=True)
+    with _format.manager(out) as manager:
+        manager.save(step, args=_format.save_args(staged["leaves"], staged["manifest"]), force=True)
         manager.wait_until_finished()
     written = os.path.join(out, str(step))
     _files.write_file_sizes(written)
