@@ -43,70 +43,39 @@ def pytest_sessionfinish(session):
         shutil.rmtree(_CACHE, ignore_errors=True)
 
 
-# Whole files of the slow tier: multi-process, elastic, examples, notebook, benchmarks.
-SLOW_FILES = {
-    "test_multiprocess.py",
-    "test_elastic.py",
-    "test_elastic_checkpoint.py",
-    "test_elastic_model_state.py",
-    "test_elastic_fsdp.py",
-    "test_launch_local.py",
-    "test_notebook.py",
-    "test_examples.py",
-    "test_accuracy_benchmark.py",
-    "test_demo.py",
-    "test_lm_example.py",
-    # single-process, but long (seconds summed over 2 workers, 2026-12-01): the fast
-    # tier keeps one cheap file per concern
-    "test_spec.py",  # 233
-    "test_checkpoint_resize.py",  # 50
-    "test_fsdp.py",  # 49
-    "test_comm_defects.py",  # 44
-    "test_quantize.py",  # 42
-    "test_delay.py",  # 38
-    "test_hook_quantized.py",  # 36
-    "test_phases.py",  # 31
-    "test_layouts.py",  # 27
-    "test_robustness.py",  # 24
-}
-
-
-# Files whose tests start several processes with collective timeouts: with pytest-xdist
-# (README's command: -n 2 --dist loadgroup) they run in one group, one job at a time on
-# one worker, while the other worker runs the rest: two such jobs at once on 2 cores
-# made collectives time out (seen with two groups on three workers).
-PROCESS_GROUPS = dict.fromkeys(
-    [
-        "test_elastic.py",
-        "test_multiprocess.py",
-        "test_elastic_checkpoint.py",
-        "test_elastic_model_state.py",
-        "test_elastic_fsdp.py",
-        "test_launch_local.py",
-    ],
-    "processes",
-)
+TESTS = pathlib.Path(__file__).resolve().parent
+SYSTEM = TESTS / "system"  # several processes, the examples, the notebook: the slow tier
 
 
 # tryfirst: pytest-xdist reads the xdist_group markers in its own hook of this name on
-# each worker; without it, that hook ran before this one and saw no group, so the
-# multi-process files were spread over both workers after all.
+# each worker; without it, that hook ran before this one and saw no group.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    """The slow tier by where a test lives: ``tests/system/`` (several processes, the
+    examples, the notebook, the benchmarks run end to end), and the long single-process
+    files, which say so themselves (``pytestmark = pytest.mark.slow``)."""
     for item in items:
-        name = pathlib.Path(str(item.fspath)).name
-        if name in SLOW_FILES:
+        if SYSTEM in pathlib.Path(str(item.fspath)).resolve().parents:
             item.add_marker(pytest.mark.slow)
-        if name in PROCESS_GROUPS:
-            item.add_marker(pytest.mark.xdist_group(PROCESS_GROUPS[name]))
+
+
+def _name(fspath) -> str:
+    """A test file's path under tests/, without ``test_`` and ``.py``: ``step/phases``."""
+    rel = pathlib.Path(str(fspath)).resolve().relative_to(TESTS)
+    return str(rel.with_name(rel.name.removeprefix("test_")).with_suffix(""))
 
 
 _SECONDS: dict[str, float] = {}
 
 
+_SLOW: set[str] = set()
+
+
 def pytest_runtest_logreport(report):
-    name = pathlib.Path(report.fspath).name
+    name = _name(report.fspath)
     _SECONDS[name] = _SECONDS.get(name, 0.0) + report.duration
+    if "slow" in report.keywords:
+        _SLOW.add(name)
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -114,7 +83,7 @@ def pytest_terminal_summary(terminalreporter):
     teardown of their tests; summed over the workers under -n)."""
     if not _SECONDS:
         return
-    slow = sum(t for name, t in _SECONDS.items() if name in SLOW_FILES)
+    slow = sum(t for name, t in _SECONDS.items() if name in _SLOW)
     fast = sum(_SECONDS.values()) - slow
     terminalreporter.write_line(
         f"test tiers: fast {fast / 60:.1f} min, slow {slow / 60:.1f} min "
@@ -122,7 +91,7 @@ def pytest_terminal_summary(terminalreporter):
     )
     top = sorted(_SECONDS.items(), key=lambda kv: -kv[1])
     terminalreporter.write_line(
-        "slowest files: " + ", ".join(f"{name[5:-3]} {t:.0f} s" for name, t in top[:12])
+        "slowest files: " + ", ".join(f"{name} {t:.0f} s" for name, t in top[:12])
     )
     # Every file's seconds, for choosing the tiers: .pytest_cache/lsgd_file_seconds.json
     cache = terminalreporter.config.cache

@@ -1,4 +1,4 @@
-"""Processes of tests/test_elastic.py's small elastic checks (run as a script: each needs
+"""Processes of tests/system/test_elastic.py's small elastic checks (run as a script: each needs
 a fresh JAX backend for lsgd_jax.elastic.initialize).
 
     python tests/elastic_resume_worker.py PORT [SCENARIO [PROCESSES PROCESS_ID [WHO]]]

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +16,16 @@ from jax.sharding import PartitionSpec as P
 import lsgd_jax
 
 DATA = P(("node", "local"))
+ROOT = pathlib.Path(__file__).resolve().parents[1]  # the checkout
+
+
+def load_example(name):
+    """``examples/<name>.py`` imported as module ``name``."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while it loads
+    spec.loader.exec_module(module)
+    return module
 
 
 def smap(fn, mesh, in_specs, out_specs, check_vma=True):

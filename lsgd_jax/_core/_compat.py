@@ -1,6 +1,6 @@
 """What lsgd_jax needs from JAX that has no public API yet, in one place.
 
-Each function here reaches into ``jax._src``; ``tests/test_compat.py`` checks that every
+Each function here reaches into ``jax._src``; ``tests/package/test_compat.py`` checks that every
 one still finds what it needs, so a JAX release that moves them fails that test loudly
 instead of the library failing (or silently degrading) elsewhere.
 """

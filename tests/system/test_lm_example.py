@@ -1,0 +1,158 @@
+"""examples/lm.py: a few steps of each method on a tiny model, and its data split.
+
+The runs go in one subprocess with XLA's CPU backend optimizations off, on a model with
+no transformer block (embeddings, positions, norm, head: a third of a 1-layer model's
+compile time): each method compiles one program per phase (DDP one, post-local SGD
+three, DiLoCo with 4-bit delayed averages four), and compiling dominates at these sizes.
+The transformer itself is checked apart (shapes, size, causality).
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from helpers import ROOT, load_example
+
+STEPS, START, H = 12, 4, 4
+RUNS = f"ddp,local{H},diloco{H}:bits4:delay1"
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lm") / "records.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3")
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    cmd = [sys.executable, str(ROOT / "examples" / "lm.py"), "--quick", "--no-progress"]
+    cmd += ["--steps", str(STEPS), "--start", str(START), "--layers", "0"]
+    cmd += ["--compare", RUNS, "--json", str(out)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+    assert [x["method"] for x in lines] == RUNS.split(",")  # one JSON line per run
+    return {r["method"]: r for r in json.loads(out.read_text())}
+
+
+def test_every_method_learns(records):
+    for name, r in records.items():
+        h = r["history"]
+        assert len(h["loss"]) == STEPS and h["eval_step"] == [0, 4, 8, 12]
+        assert np.isfinite(h["loss"]).all(), name
+        # ln 256 = 5.55 nats at the start; the loss falls over the 12 steps
+        assert np.mean(h["loss"][-3:]) < np.mean(h["loss"][:3]) - 0.2, (name, h["loss"])
+        assert h["val_loss"][-1] < h["val_loss"][0] - 0.2, (name, h["val_loss"])
+
+
+def test_ddp_and_local_agree_before_the_switch(records):
+    ddp, local = records["ddp"]["history"], records[f"local{H}"]["history"]
+    # Gradients averaged over all replicas: the same numbers, bit for bit, until the
+    # switch (the loss of step START is computed on the params the warm-up made).
+    assert ddp["loss"][: START + 1] == local["loss"][: START + 1]
+    assert ddp["val_loss"][:2] == local["val_loss"][:2]  # steps 0 and START
+    assert ddp["loss"][START + 1 :] != local["loss"][START + 1 :]  # then they part
+
+
+def test_cross_node_bytes_fall_by_the_period(records):
+    def after_switch(r):
+        b = r["history"]["cross_node_bytes"]  # cumulative, per device
+        return b[-1] - b[START - 1]
+
+    ddp, local = records["ddp"], records[f"local{H}"]
+    assert (
+        ddp["history"]["cross_node_bytes"][:START] == local["history"]["cross_node_bytes"][:START]
+    )
+    ratio = after_switch(local) / after_switch(ddp)
+    assert abs(ratio - 1 / H) < 0.01, ratio  # an average every H steps; plus the loss
+    # 4-bit two-level averages send a fraction of the float32 ones
+    assert after_switch(records[f"diloco{H}:bits4:delay1"]) < 0.5 * after_switch(local)
+    # emulated time: compute plus bytes over the link; fewer bytes, less link time
+    for r in records.values():
+        link = r["emulated_s"] - STEPS * r["compute_s_per_step"]
+        assert link > 8 * r["cross_node_bytes"] / (r["link_mbit"] * 1e6) - 1e-9
+    assert records["ddp"]["params"] == local["params"] > 10_000
+
+
+def test_split_is_deterministic_and_held_out():
+    lm = load_example("lm")
+    a, b = lm.load_corpus(0.3), lm.load_corpus(0.3)
+    assert a.train_files == b.train_files and a.val_files == b.val_files
+    assert np.array_equal(a.train, b.train) and np.array_equal(a.val, b.val)
+    assert a.val_files and not set(a.train_files) & set(a.val_files)
+    assert all(lm.is_held_out(f) for f in a.val_files)
+    assert not any(lm.is_held_out(f) for f in a.train_files)
+    assert 0.3e6 <= len(a.train) < 0.3e6 + 2e6 and len(a.val) >= 0.03e6
+    stdlib = pathlib.Path(lm.sysconfig.get_paths()["stdlib"])
+    assert len(a.train) == sum((stdlib / f).stat().st_size for f in a.train_files)
+    windows = lm.validation_windows(a.val, 8, 32)
+    assert windows.shape == (8, 33) and windows.max() < 256
+
+
+def test_transformer_is_causal_and_sized():
+    lm = load_example("lm")
+    import jax
+    from flax import nnx
+
+    default = nnx.eval_shape(lambda: lm.ByteLM(lm.ModelConfig(), rngs=nnx.Rngs(0)))
+    size = sum(x.size for x in jax.tree.leaves(nnx.state(default, nnx.Param)))
+    assert 450_000 < size < 550_000  # "about 0.5M parameters"
+    graphdef, params = lm.init_model(lm.ModelConfig(layers=1, width=16, heads=2, context=8), 0)
+    forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))  # one compile, not one per op
+    tokens = np.arange(8, dtype=np.int32)[None] * 7
+    changed = tokens.copy()
+    changed[0, 5:] = 3  # later bytes must not change the predictions before them
+    a, b = np.asarray(forward(params, tokens)), np.asarray(forward(params, changed))
+    assert a.shape == (1, 8, 256)
+    np.testing.assert_array_equal(a[0, :5], b[0, :5])
+    assert not np.allclose(a[0, 5:], b[0, 5:])
+
+
+def test_method_names():
+    lm = load_example("lm")
+    assert lm.parse_method("diloco") == lm.Method("diloco", 32)
+    assert lm.parse_method("local", period=8, bits=4) == lm.Method("local", 8, 4)
+    assert lm.parse_method("local32:bits4:delay1").name == "local32:bits4:delay1"
+    with pytest.raises(ValueError, match="unknown method"):
+        lm.parse_method("adam")
+
+
+def test_the_outer_learning_rate_decays_over_the_outer_steps():
+    lm = load_example("lm")
+    assert lm.outer_options(0.7, 0.9) == {"learning_rate": 0.7, "momentum": 0.9, "nesterov": True}
+    decayed = lm.outer_options(0.7, 0.9, (1500, 500, 32))["learning_rate"]
+    # ceil(1000 / 32) = 32 outer steps: 0.7 at the first (the switch), 0 after the last
+    assert float(decayed(0)) == pytest.approx(0.7) and float(decayed(32)) == 0.0
+    assert 0.0 < float(decayed(31)) < 0.01 < float(decayed(16)) < 0.7
+
+
+def test_a_quantized_warm_up_quantizes_the_hook_only_and_not_ddp():
+    lm = load_example("lm")
+    import jax.numpy as jnp
+
+    params = {"w": jnp.zeros((4, 64))}
+    kwargs = {"steps": 20, "start": 8, "lr": 1e-3, "warmup": 2, "warmup_bits": 8}
+    hook = lm.make_tx(lm.parse_method("diloco"), **kwargs).init(params)[0]
+    assert hook.communication.bits == 8 and hook.communication.two_level
+    assert hook.comm_state is not None  # error feedback: the residual in the hook's state
+    ddp = lm.make_tx(lm.parse_method("ddp"), **kwargs).init(params)[0]
+    assert ddp.communication is None and ddp.comm_state is None  # DDP stays the reference
+    plain = lm.make_tx(lm.parse_method("diloco"), **{**kwargs, "warmup_bits": 0})
+    assert plain.init(params)[0].communication is None
+
+
+def test_on_gpu_tabulates_the_lines_lm_prints(records):
+    # benchmarks/on_gpu.py has never run on a GPU here: its table of examples/lm.py's
+    # JSON lines is checked against the lines lm.py really writes.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("on_gpu", ROOT / "benchmarks" / "on_gpu.py")
+    on_gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(on_gpu)
+    lines = [json.dumps({k: v for k, v in r.items() if k != "history"}) for r in records.values()]
+    table = on_gpu.lm_table("\n".join(["a log line", *lines])).splitlines()
+    assert len(table) == 2 + len(records)
+    for row, name in zip(table[2:], records):
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[0] == name and float(cells[1]) > 0 and float(cells[3]) > 0, row
