@@ -402,6 +402,7 @@ def train(method: Method, setup: Setup, progress: bool = True) -> dict[str, Any]
     val = jnp.asarray(validation_windows(setup.corpus.val, a.val_windows, cfg.context))
     val_loss = lambda p: float(evaluate(graphdef, lsgd_jax.consensus(p), val))  # noqa: E731
     evals, losses, seconds = [(0, val_loss(params))], [], []
+    across = np.cumsum(ledger.per_step("across"))
     for s in tqdm(range(a.steps), desc=method.name, disable=not progress):
         t0 = time.perf_counter()
         params, opt_state, loss = step(params, opt_state, next(data))
@@ -409,7 +410,17 @@ def train(method: Method, setup: Setup, progress: bool = True) -> dict[str, Any]
         seconds.append(time.perf_counter() - t0)
         if (s + 1) % a.eval_every == 0 or s + 1 == a.steps:
             evals.append((s + 1, val_loss(params)))
+            if a.json:  # as it goes: a run cut short keeps its evaluations
+                write_progress(a.json, method.name, s + 1, evals[-1][1], int(across[s]))
     return make_record(method, ledger, losses, seconds, evals, a, params0)
+
+
+def write_progress(path: str, method: str, step: int, val_loss: float, across: int) -> None:
+    """Appends one evaluation to ``<path>.progress.jsonl`` (a line of JSON: the method,
+    the step, the validation loss, the cross-node bytes per device so far)."""
+    line = {"method": method, "step": step, "val_loss": val_loss, "cross_node_bytes": across}
+    with open(f"{path}.progress.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")
 
 
 def make_record(

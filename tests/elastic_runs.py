@@ -18,8 +18,7 @@ def launch(tmp_path, *args, steps=STEPS, timeout=150.0):
         out = tmp_path / f"run{attempt}.jsonl"
         cmd = [sys.executable, str(SCRIPT), "--processes", "3", "--devices-per-process", "2"]
         cmd += ["--steps", str(steps), "--json", str(out), "--timeout", str(timeout - 20), *args]
-        code, seconds, text = run_launcher(cmd, timeout)
-        records = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
+        code, seconds, records, text = run_records(cmd, out, timeout)
         # Gloo can abort a survivor whose collective met the dead peer (docs/failures.md,
         # a known limitation, ~1 in 20 injected failures here); when that survivor is
         # process 0 the run ends. Run such a scenario once more, and say so.
@@ -27,6 +26,14 @@ def launch(tmp_path, *args, steps=STEPS, timeout=150.0):
         if kills_0 or not (GLOO_ABORT in text and "process 0 aborted" in text):
             break
         print(f"gloo aborted process 0 (known limitation); running {args} again")
+    return code, seconds, records, text
+
+
+def run_records(cmd, out, timeout):
+    """Runs the launcher ``cmd`` (writing its records to ``out``); returns (exit code,
+    seconds, records, output)."""
+    code, seconds, text = run_launcher(cmd, timeout)
+    records = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
     return code, seconds, records, text
 
 

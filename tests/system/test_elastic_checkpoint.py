@@ -25,14 +25,14 @@ C. 3 processes resume from B's newest checkpoint (2 -> 3) and run to step 18. At
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
 
 import numpy as np
 import pytest
-from multiprocess import ROOT, run_launcher
+from elastic_runs import finals, run_records, steps_of
+from multiprocess import ROOT
 
 SCRIPT = ROOT / "examples" / "elastic.py"
 # several processes with collective timeouts: one such job at a time (conftest)
@@ -50,18 +50,9 @@ def launch(out_dir, ckpt, processes, steps, *args, timeout=240.0):
     cmd += ["--devices-per-process", "1", "--steps", str(steps), "--json", str(out)]
     cmd += ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"]
     cmd += ["--timeout", str(timeout - 20), *args]
-    code, seconds, text = run_launcher(cmd, timeout)
-    records = [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
+    code, seconds, records, text = run_records(cmd, out, timeout)
     print(f"{processes} processes, {steps} steps {args}: {seconds:.1f} s")
     return code, seconds, records, text
-
-
-def steps_of(records, process):
-    return [r["step"] for r in records if r["process"] == process and "step" in r]
-
-
-def finals(records):
-    return {r["process"]: r for r in records if r.get("final")}
 
 
 def one_model(records, processes, out):
