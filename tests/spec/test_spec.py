@@ -1,4 +1,4 @@
-"""The executable specification: the library against the NumPy model in spec_model.py.
+"""The executable specification: the library against the NumPy model in tests/spec_model/.
 
 Hypothesis draws meshes (size-1 axes and three levels included), hook and averager
 options (delayed averages and quantized means among them), inner optimizers, NaN/Inf
