@@ -61,19 +61,38 @@ def decoded(rows, bits, block):
 
 
 def layout(length, inner, outer, bits):
-    """(block, chunk, padded) of a quantized mean, or None where a float32 ring
-    all-reduce sends no more bytes (all-to-all + all-gather of the integers and scales
-    across ``outer``, float32 reduce-scatter + all-gather inside ``inner``)."""
+    """(block, chunk, padded) of a quantized mean, or None where it is sent in float32:
+    where the integers and scales (an all-to-all and an all-gather across ``outer``)
+    would put no fewer bytes on the link they cross than a float32 ring all-reduce of
+    the values crossing it (the node's shard, ``ceil(length / inner)`` values, with two
+    levels: the float32 two-level mean's), as comm.quantized's docstring says."""
     if outer == 1:
         return None
-    share = math.ceil(math.ceil(length / inner) / outer)
+    values = math.ceil(length / inner)
+    share = math.ceil(values / outer)
     block = min(BLOCK, share + share % 2 if bits == 4 else share)
     chunk = math.ceil(share / block) * block
     padded = inner * outer * chunk
     chunk_bytes = chunk * bits // 8 + 4 * (chunk // block)
-    sent = 2 * (outer - 1) * chunk_bytes + 2 * (inner - 1) / inner * 4 * padded
-    n = inner * outer
-    return None if sent >= 2 * (n - 1) / n * 4 * length else (block, chunk, padded)
+    quantized = 2 * (outer - 1) * chunk_bytes
+    ring = 2 * (outer - 1) / outer * 4 * values
+    return None if quantized >= ring else (block, chunk, padded)
+
+
+def test_the_replays_layout_is_the_librarys_plan():
+    """The replay's rule (written from the docs) against ``_quantize.plan`` over sizes
+    and meshes, including the small two-level trees where the rule once charged the
+    in-node float32 traffic and fell back to one flat float32 all-reduce: 520 values on
+    2 x 4 now cross nodes as 2 x 136 bytes of int8 (issue 26)."""
+    from lsgd_jax.comm import _quantize
+
+    assert layout(520, 4, 2, 8) == (64, 128, 1024)
+    for inner, outer in [(1, 8), (4, 2), (8, 2), (8, 8), (2, 4)]:
+        for bits in (8, 4):
+            for length in [1, 2, 7, 14, 63, 64, 65, 130, 520, 1000, 2480, 4124, 4125, 19477]:
+                want = _quantize.plan(length, inner, outer, bits, BLOCK)
+                got = layout(length, inner, outer, bits)
+                assert got == (None if want is None else tuple(want)), (length, inner, outer)
 
 
 def one_level(v, bits, block):
