@@ -16,8 +16,10 @@ from lsgd_jax import comm
 from lsgd_jax._core import _validate
 from lsgd_jax._core._collectives import Group, GroupSpec
 from lsgd_jax.averaging import _outer
+from lsgd_jax.comm import _strategies
 
-NONFINITE_POLICIES = ("propagate", "exclude", "skip")
+# an averager's nonfinite=: PyTorch's behaviour, or a comm.finite_only policy
+NONFINITE_POLICIES = ("propagate", *_strategies.FINITE_ONLY_POLICIES)
 
 logger = logging.getLogger("lsgd_jax")
 

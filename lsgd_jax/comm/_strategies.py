@@ -17,7 +17,7 @@ from lsgd_jax._core import _collectives, _validate
 from lsgd_jax.comm import _codec, _quantize, _wire
 from lsgd_jax.comm._base import Communication, Mean, logger
 
-NONFINITE_POLICIES = ("exclude", "skip")
+FINITE_ONLY_POLICIES = ("exclude", "skip")  # comm.finite_only(policy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +73,7 @@ class FiniteOnly(Communication):
         _validate.one_of(
             self.policy,
             "finite_only policy",
-            NONFINITE_POLICIES,
+            FINITE_ONLY_POLICIES,
             ": 'exclude' (average the finite replicas only) or 'skip' (no average for a "
             "group with a NaN)",
         )

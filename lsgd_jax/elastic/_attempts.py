@@ -28,13 +28,13 @@ logger = logging.getLogger("lsgd_jax.elastic")
 AXES = ("node", "local")
 
 
-def data_axes(inside: tuple[str, ...] = ()) -> tuple[str, ...]:
+def loop_axes(inside: tuple[str, ...] = ()) -> tuple[str, ...]:
     """The loop's data axes: ``AXES``, or ``("node",)`` when a replica spans a process's
     devices (``inside == ("local",)``, FSDP over them).
 
     Example:
-      >>> from lsgd_jax.elastic._attempts import data_axes
-      >>> data_axes(), data_axes(("local",))
+      >>> from lsgd_jax.elastic._attempts import loop_axes
+      >>> loop_axes(), loop_axes(("local",))
       (('node', 'local'), ('node',))
     """
     return tuple(a for a in AXES if a not in inside)
@@ -260,7 +260,7 @@ def adopt(
     Returns:
       ``(state, step)`` over ``layout.mesh``.
     """
-    me, axes = jax.process_index(), data_axes(inside)
+    me, axes = jax.process_index(), loop_axes(inside)
     joining = new_view and me in view.joining
     if joining or state is None:
         state, step = fresh(layout.mesh), view.step

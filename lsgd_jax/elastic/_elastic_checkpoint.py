@@ -43,7 +43,7 @@ from jax.sharding import Mesh
 from lsgd_jax._core import _validate
 from lsgd_jax.checkpoint import _checkpoint, _format
 from lsgd_jax.checkpoint import _checkpoint_files as _files
-from lsgd_jax.elastic._attempts import data_axes
+from lsgd_jax.elastic._attempts import loop_axes
 
 logger = logging.getLogger("lsgd_jax.elastic")
 
@@ -251,7 +251,7 @@ class Checkpoints:
         inside = self.shard_over
 
         def place(tree):
-            return replicate(tree, mesh, data_axes(inside), shard_over=inside or None)
+            return replicate(tree, mesh, loop_axes(inside), shard_over=inside or None)
 
         target = {"params": place(init_params), "opt_state": place(tx.init(init_params))}
         if init_model_state is not None:

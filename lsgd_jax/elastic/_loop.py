@@ -46,7 +46,7 @@ class _TrainWork:
         self._loss_fn, self._tx, self._options = loss_fn, tx, options
         self._batch_fn, self._checkpoints, self._on_attempt = batch_fn, checkpoints, on_attempt
         self._steps: dict[tuple[int, ...], Any] = {}
-        self._axes = _attempts.data_axes(inside)
+        self._axes = _attempts.loop_axes(inside)
 
     def step_fn(self, layout: Layout):
         from lsgd_jax.step._step import data_parallel_step

@@ -48,7 +48,7 @@ def _check_state(
         like = (init_params, init_model_state, like[1])
     devices = set(jax.local_devices())
     mine = Mesh(np.array(jax.local_devices()).reshape(1, -1), _attempts.AXES)
-    axes = _attempts.data_axes(inside)
+    axes = _attempts.loop_axes(inside)
 
     def shard_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
         spec = replica_spec(shape, mine, axes, inside)
@@ -181,7 +181,7 @@ def _check_loop_args(
     _check_stall_against_timeouts(stall)
     failures = _validate.positive_int(max_failures, "ElasticLoop: max_failures")
     one = Mesh(np.array(jax.local_devices()[:1]).reshape(1, 1), _attempts.AXES)
-    axes = _attempts.data_axes(_inside(options))
+    axes = _attempts.loop_axes(_inside(options))
     data_parallel_step(loss_fn, tx, one, axes=axes, donate=False, **options)
     return stall, failures
 
@@ -221,7 +221,7 @@ def _fresh_state(
     from lsgd_jax.mesh._mesh import replicate
 
     def place(tree):
-        return replicate(tree, mesh, _attempts.data_axes(inside), shard_over=inside or None)
+        return replicate(tree, mesh, _attempts.loop_axes(inside), shard_over=inside or None)
 
     fresh = (place(init_params), place(tx.init(init_params)))
     if init_model_state is None:
