@@ -77,28 +77,48 @@ class Struct:
         return obj
 
 
-def pytree_dataclass(cls: type[T]) -> type[T]:
+def pytree_dataclass(cls: type[T] | None = None, *, omit_if_none: str | None = None) -> Any:
     """Registers the frozen dataclass ``cls`` (a :class:`Struct`) as a pytree with keys.
 
+    Args:
+      cls: the class (or None, to use ``@pytree_dataclass(omit_if_none=...)``).
+      omit_if_none: a child field left out of the children (not even a None subtree)
+        while it is None, so the tree structure is what it was before the field existed
+        (a saved checkpoint's structure still matches). At most one: the count of
+        children says whether it is there.
+
     Returns:
-      ``cls``, registered.
+      ``cls``, registered (or a decorator that registers it).
     """
+    if cls is None:
+        return lambda c: pytree_dataclass(c, omit_if_none=omit_if_none)
     fields = dataclasses.fields(cast(Any, cls))  # a dataclass, by this module's contract
     meta = tuple(f.name for f in fields if f.metadata.get("static"))
     data = tuple(f.name for f in fields if not f.metadata.get("static"))
-    keys = tuple(jax.tree_util.GetAttrKey(n) for n in data)
+    if omit_if_none is not None and omit_if_none not in data:
+        raise ValueError(f"omit_if_none={omit_if_none!r} is not a child field of {cls}")
+    keys = {n: jax.tree_util.GetAttrKey(n) for n in data}
+
+    def present(x: Any) -> tuple[str, ...]:
+        if omit_if_none is not None and getattr(x, omit_if_none) is None:
+            return tuple(n for n in data if n != omit_if_none)
+        return data
 
     def flatten_with_keys(x: Any) -> tuple[list[tuple[Any, Any]], tuple[Any, ...]]:
-        return [(k, getattr(x, n)) for k, n in zip(keys, data)], tuple(getattr(x, n) for n in meta)
+        return [(keys[n], getattr(x, n)) for n in present(x)], tuple(getattr(x, n) for n in meta)
 
     def flatten(x: Any) -> tuple[list[Any], tuple[Any, ...]]:
-        return [getattr(x, n) for n in data], tuple(getattr(x, n) for n in meta)
+        return [getattr(x, n) for n in present(x)], tuple(getattr(x, n) for n in meta)
 
     def unflatten(aux: tuple[Any, ...], children: Any) -> Any:
+        children = list(children)
+        names = data if len(children) == len(data) else [n for n in data if n != omit_if_none]
         obj = object.__new__(cls)
         for n, v in zip(meta, aux):
             object.__setattr__(obj, n, v)
-        for n, v in zip(data, children):
+        if omit_if_none is not None:
+            object.__setattr__(obj, omit_if_none, None)
+        for n, v in zip(names, children):
             object.__setattr__(obj, n, v)
         return obj
 

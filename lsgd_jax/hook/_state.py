@@ -14,7 +14,7 @@ from jax import lax
 from lsgd_jax._core import _collectives, _validate
 from lsgd_jax._core import _state_protocol as sp
 from lsgd_jax._core._collectives import GroupSpec
-from lsgd_jax._core._struct import Struct
+from lsgd_jax._core._struct import pytree_dataclass
 
 logger = logging.getLogger("lsgd_jax")
 
@@ -43,41 +43,8 @@ def keeps_residual(communication: Any) -> bool:
     return communication is not None and communication.init({"g": jnp.zeros(2)}) is not None
 
 
-def _register(cls: Any) -> Any:
-    """Registers the state as a pytree: children ``iter`` and, only when it is not None,
-    ``comm_state``; the other fields are static metadata.
-
-    So a state without error feedback has exactly the tree structure it had before the
-    hook could keep a residual (checkpoints saved then restore without a structure
-    warning), and one with it has the residual's leaves under ``.comm_state``.
-    """
-    meta = tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("static"))
-    keys = (jax.tree_util.GetAttrKey("iter"), jax.tree_util.GetAttrKey("comm_state"))
-
-    def children(x: Any) -> list[Any]:
-        return [x.iter] if x.comm_state is None else [x.iter, x.comm_state]
-
-    def flatten_with_keys(x: Any) -> tuple[list[tuple[Any, Any]], tuple[Any, ...]]:
-        return list(zip(keys, children(x))), tuple(getattr(x, n) for n in meta)
-
-    def flatten(x: Any) -> tuple[list[Any], tuple[Any, ...]]:
-        return children(x), tuple(getattr(x, n) for n in meta)
-
-    def unflatten(aux: tuple[Any, ...], kids: Any) -> Any:
-        kids = list(kids)
-        fields = dict(zip(meta, aux), iter=kids[0], comm_state=kids[1] if len(kids) > 1 else None)
-        obj = object.__new__(cls)
-        for name, value in fields.items():
-            object.__setattr__(obj, name, value)
-        return obj
-
-    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
-    cls.__setattr__ = Struct.__setattr__
-    cls.__delattr__ = Struct.__delattr__
-    return cls
-
-
-@_register
+@pytree_dataclass(omit_if_none="comm_state")  # the structure of a state without
+# error feedback is the one it had before the hook could keep a residual
 @dataclasses.dataclass(frozen=True, init=False, eq=False, repr=False)
 class PostLocalSGDState(sp.PhasedState):
     """The state of :func:`post_localSGD_hook`: a step count and where to average.
