@@ -3,6 +3,12 @@
 from lsgd_jax.averaging._averager_state import ModelAveragerState
 from lsgd_jax.averaging._averaging import HierarchicalModelAverager
 from lsgd_jax.averaging._averaging import PeriodicModelAverager
+from lsgd_jax.averaging._from_parts import from_parts
+from lsgd_jax.averaging._outer import Assign
+from lsgd_jax.averaging._outer import OuterStep
+from lsgd_jax.averaging._outer import Parts
+from lsgd_jax.averaging._outer import SendDelta
+from lsgd_jax.averaging._outer import SendParams
 from lsgd_jax.averaging._optim import (
     PostLocalSGDOptimizerState,
     model_averaging,
@@ -10,10 +16,16 @@ from lsgd_jax.averaging._optim import (
 )
 
 __all__ = [
+    "Assign",
     "HierarchicalModelAverager",
     "ModelAveragerState",
+    "OuterStep",
+    "Parts",
     "PeriodicModelAverager",
     "PostLocalSGDOptimizerState",
+    "SendDelta",
+    "SendParams",
+    "from_parts",
     "model_averaging",
     "post_local_sgd_optimizer",
 ]

@@ -236,7 +236,7 @@ class Assign:
 class OuterStep:
     """Then: at a global average, an optax step from the anchor on the pseudo-gradient
     ``anchor - mean`` (SlowMo; DiLoCo with ``optax.sgd(0.7, momentum=0.9,
-    nesterov=True)``); other levels assign their mean. See :func:`outer_step`.
+    nesterov=True)``); other levels assign their mean. See ``outer_step``.
 
     Attributes:
       optimizer: the outer optax transformation.
@@ -275,15 +275,19 @@ class OuterStep:
 
 
 class Parts(NamedTuple):
-    """An averager as four parts: when, what, how and then.
+    """An averager as four parts: when, what, how and then (a NamedTuple).
 
-    Attributes:
-      when: the schedule (``PeriodicSchedule``, ``HierarchicalSchedule`` or
-        ``AdaptiveSchedule``): which calls average, which fragment, and the delay.
-      what: :class:`SendParams` or :class:`SendDelta`.
-      how: the communication strategy (``lsgd_jax.comm``), with its non-finite policy
-        and its own per-replica state.
-      then: :class:`Assign` or :class:`OuterStep`.
+    ``when`` is the schedule (``PeriodicSchedule``, ``HierarchicalSchedule`` or
+    ``AdaptiveSchedule``: which calls average, which fragment, and the delay); ``what``
+    is ``SendParams()`` or ``SendDelta()``; ``how`` the communication strategy
+    (``lsgd_jax.comm``, with its non-finite policy and its own per-replica state);
+    ``then`` is ``Assign()`` or ``OuterStep(optimizer)``. ``averager.parts`` gives them,
+    ``lsgd_jax.averaging.from_parts`` builds the averager back.
+
+    Example:
+      >>> import lsgd_jax
+      >>> lsgd_jax.PeriodicModelAverager(4, delta=True).parts.what
+      SendDelta()
     """
 
     when: Any
