@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Issue 29, round 2 (exploration: 600 steps, seed 0, four runs at once, niced).
+set -u
+cd "$(dirname "$0")/../../.."
+. .venv/bin/activate
+out=benchmarks/results/issue29
+common="--steps 600 --warmup 50 --eval-every 50 --no-progress --seed 0"
+nice -n 10 python examples/lm.py --compare diloco32 --start 100 --outer-decay $common --json $out/r2_d32_s100_f32.json > $out/r2_d32_s100_f32.log 2>&1 &
+nice -n 10 python examples/lm.py --compare diloco32 --start 200 --bits 8 --warmup-bits 8 --outer-decay $common --json $out/r2_d32_s200_q8_w8.json > $out/r2_d32_s200_q8_w8.log 2>&1 &
+nice -n 10 python examples/lm.py --compare diloco16 --start 100 --bits 4 --warmup-bits 4 --outer-decay $common --json $out/r2_d16_s100_q4_w4.json > $out/r2_d16_s100_q4_w4.log 2>&1 &
+nice -n 10 python examples/lm.py --compare diloco32 --start 100 --bits 8 --warmup-bits 8 $common --json $out/r2_d32_s100_q8_w8_nodecay.json > $out/r2_d32_s100_q8_w8_nodecay.log 2>&1 &
+wait
