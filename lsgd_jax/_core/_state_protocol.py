@@ -27,7 +27,6 @@ Static metadata (part of the tree structure):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import jax
@@ -188,13 +187,3 @@ def leaf_roles(tree: Any) -> list[str | None]:
 @dataclasses.dataclass(frozen=True)
 class _Role:  # not a pytree: a leaf
     role: str | None
-
-
-def with_roles(tree: Any, wanted: Iterable[str], fn: Any) -> Any:
-    """``tree`` with ``fn(leaf)`` applied to the leaves whose role is in ``wanted``."""
-    wanted = frozenset(wanted)
-    leaves, treedef = jax.tree.flatten(tree)
-    marks = leaf_roles(tree)
-    return jax.tree.unflatten(
-        treedef, [fn(x) if r in wanted else x for x, r in zip(leaves, marks, strict=True)]
-    )

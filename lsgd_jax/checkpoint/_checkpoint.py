@@ -30,15 +30,6 @@ from lsgd_jax.checkpoint import _format, _resize
 from lsgd_jax.checkpoint._checkpoint_files import UnreadableCheckpointError
 from lsgd_jax.mesh._sync import assert_replicas_in_sync
 
-_ARRAYS, _MANIFEST = _format.ARRAYS, _format.MANIFEST
-_ocp, _manager, _flatten, _leaf_names, _steps = (
-    _format.ocp,
-    _format.manager,
-    _format.flatten,
-    _format.leaf_names,
-    _format.steps,
-)
-
 
 def _as_array(path: str, x: Any) -> Any:
     if isinstance(x, (jax.Array, np.ndarray)):
@@ -92,12 +83,12 @@ def save_checkpoint(
       10
     """
     step = _validate.nonnegative_int(step, "save_checkpoint: step")
-    _ocp()  # ImportError with the install hint before anything else
-    paths, leaves, treedef = _flatten(tree)
+    _format.ocp()  # ImportError with the install hint before anything else
+    paths, leaves, treedef = _format.flatten(tree)
     leaves = [_as_array(p, x) for p, x in zip(paths, leaves)]
     manifest = _format.manifest(tree, paths, leaves, treedef)
     _files.set_aside_if_damaged(directory, int(step))
-    with _manager(directory, max_to_keep) as manager:
+    with _format.manager(directory, max_to_keep) as manager:
         manager.save(int(step), args=_format.save_args(leaves, manifest), force=True)
         manager.wait_until_finished()
         step_dir = os.fspath(manager.directory / str(int(step)))
@@ -131,7 +122,7 @@ def latest_checkpoint_step(directory: str | os.PathLike) -> int | None:
       ...     print(lsgd_jax.latest_checkpoint_step(empty))
       None
     """
-    for step in reversed(_steps(directory)):
+    for step in reversed(_format.steps(directory)):
         damage = _files.damage(_files.step_dir(directory, step))
         if damage is None:
             return step
@@ -259,7 +250,7 @@ def restore_checkpoint(
       >>> int(resized["opt_state"][0].iter[0])  # counters are copied
       0
     """
-    paths, leaves, treedef = _flatten(target)
+    paths, leaves, treedef = _format.flatten(target)
     abstract = [_abstract(p, x) for p, x in zip(paths, leaves)]
     steps = _saved_steps(directory, step)
     skipped: list[tuple[int, _files.Damaged]] = []
@@ -295,7 +286,7 @@ def restore_checkpoint(
             ) from skipped[0][1].__cause__
     if lines:
         warnings.warn(_config.mismatch(candidate, lines, strict=False), stacklevel=2)
-    names = _leaf_names(len(abstract))
+    names = _format.leaf_names(len(abstract))
     leaves = [restored[n] for n in names]
     if resize:
         leaves = _resize.apply(candidate, paths, leaves, abstract, target)
@@ -310,7 +301,7 @@ def _reader() -> Any:
     its own shards (orbax's default ends each read with a barrier of every device of
     the job, which an elastic run's dead processes never reach). The processes agree
     on the step beforehand, or ``check_in_sync`` finds out."""
-    ocp = _ocp()
+    ocp = _format.ocp()
     me = jax.process_index()
     alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
     handler = ocp.CompositeCheckpointHandler(
@@ -321,7 +312,7 @@ def _reader() -> Any:
 
 def _saved_steps(directory: Any, step: int | None) -> list[int]:
     """The complete steps under ``directory``; raises if there is none, or not ``step``."""
-    steps = _steps(directory)
+    steps = _format.steps(directory)
     if step is None and not steps:
         raise FileNotFoundError(f"restore_checkpoint: no complete checkpoint under {directory!r}.")
     if step is not None and step not in steps:
@@ -359,7 +350,7 @@ def _restore_step(
     resize: bool,
 ) -> tuple[dict[str, Any], list[str]]:
     """The arrays of ``step`` and the differences to report; raises _files.Damaged if unreadable."""
-    ocp = _ocp()
+    ocp = _format.ocp()
     paths, abstract, treedef = flat
     step_dir = _files.step_dir(directory, step)
     damage = _files.damage(step_dir)
@@ -367,11 +358,11 @@ def _restore_step(
         raise _files.Damaged(*damage)
     try:
         manifest = reader.restore(
-            step_dir, args=ocp.args.Composite(**{_MANIFEST: ocp.args.JsonRestore()})
-        )[_MANIFEST]
+            step_dir, args=ocp.args.Composite(**{_format.MANIFEST: ocp.args.JsonRestore()})
+        )[_format.MANIFEST]
     except Exception as e:
         raise _files.Damaged(
-            os.path.join(step_dir, _MANIFEST), f"failed to read ({type(e).__name__}: {e})"
+            os.path.join(step_dir, _format.MANIFEST), f"failed to read ({type(e).__name__}: {e})"
         ) from e
     _check_count(manifest, paths, step)
     if resize:  # per-replica leaves are read as saved, resized afterwards (_resize.apply)
@@ -381,18 +372,19 @@ def _restore_step(
     lines = _config.differences(manifest, paths, treedef, target)
     if lines and strict:
         raise ValueError(_config.mismatch(step, lines, strict=True))
-    names = _leaf_names(len(abstract))
+    names = _format.leaf_names(len(abstract))
     try:
         restored = reader.restore(
             step_dir,
             args=ocp.args.Composite(
-                **{_ARRAYS: ocp.args.StandardRestore(dict(zip(names, abstract)))}
+                **{_format.ARRAYS: ocp.args.StandardRestore(dict(zip(names, abstract)))}
             ),
-        )[_ARRAYS]
+        )[_format.ARRAYS]
     except Exception as e:
         message = str(e) if len(str(e)) <= 300 else str(e)[:300] + "…"
         raise _files.Damaged(
-            os.path.join(step_dir, _ARRAYS), f"failed to read ({type(e).__name__}: {message})"
+            os.path.join(step_dir, _format.ARRAYS),
+            f"failed to read ({type(e).__name__}: {message})",
         ) from e
     return restored, lines
 
