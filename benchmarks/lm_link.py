@@ -79,8 +79,7 @@ def worker(args) -> None:
     out = {"process": me, "runs": []}
     for spec in args.methods.split(","):
         method = lm.parse_method(spec)
-        decay = (args.steps, args.start, method.period) if args.outer_decay else None
-        outer = lm.outer_options(args.outer_lr, args.outer_momentum, decay)
+        outer = lm.outer_of_args(args, method)
         tx = lm.tx_of_args(method, args, outer)
         graphdef, params0 = lm.init_model(cfg, args.seed)
         step = lsgd_jax.data_parallel_step(lm.make_loss_fn(graphdef), tx, mesh)
@@ -191,6 +190,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--outer-lr", type=float, default=0.7, help="diloco's outer step")
     ap.add_argument("--outer-momentum", type=float, default=0.9, help="its momentum")
     ap.add_argument("--outer-decay", action="store_true", help="as examples/lm.py's")
+    ap.add_argument("--outer-floor", type=float, default=0.0, help="as examples/lm.py's")
+    ap.add_argument("--outer-cooldown", type=float, default=0.0, help="as examples/lm.py's")
     ap.add_argument("--warmup-bits", type=int, default=0, choices=[0, 4, 8], help="as lm.py's")
     ap.add_argument("--global-batch", type=int, default=32, help="sequences, over all replicas")
     ap.add_argument("--layers", type=int, default=2)

@@ -294,17 +294,47 @@ def parse_method(spec: str, period: int = 0, bits: int = 0, delay: int = 0) -> M
     return Method(kind, h, values["bits"], values["delay"])
 
 
-def outer_options(lr: float, momentum: float, decay: tuple[int, int, int] | None = None) -> dict:
+def outer_options(
+    lr: float,
+    momentum: float,
+    decay: tuple[int, int, int] | None = None,
+    *,
+    floor: float = 0.0,
+    cooldown: float = 0.0,
+) -> dict:
     """DiLoCo's outer step, as ``optax.sgd`` keywords (Nesterov momentum). ``decay=(steps,
-    start, period)``: the learning rate falls to 0 along a cosine over the run's outer
-    steps (one at the switch, then every ``period``), so that the momentum stops moving
-    the model when the inner learning rate has decayed (without it, the validation loss
-    rose over the last 100 of 1,500 steps: benchmarks/RESULTS.md part 8)."""
-    if decay is not None:
-        steps, start, period = decay
-        outer_steps = max(1, -(-(steps - start) // max(period, 1)))
-        lr = optax.cosine_decay_schedule(lr, outer_steps)
-    return {"learning_rate": lr, "momentum": momentum, "nesterov": True}
+    start, period)``: the learning rate falls along a cosine over the run's outer steps
+    (one at the switch, then every ``period``) to ``floor`` times ``lr``, so that the
+    momentum stops moving the model when the inner learning rate has decayed (without
+    it, the validation loss rose over the last 100 of 1,500 steps: benchmarks/RESULTS.md
+    part 8). ``cooldown`` (a fraction of the outer steps, instead of the cosine): the
+    outer step stays Nesterov(``lr``, ``momentum``) and over the last ``cooldown`` of
+    the outer steps turns linearly into a plain average (learning rate 1, no momentum);
+    the momentum is then a schedule (``make_tx`` injects it with
+    ``optax.inject_hyperparams``)."""
+    if decay is None:
+        return {"learning_rate": lr, "momentum": momentum, "nesterov": True}
+    steps, start, period = decay
+    outer_steps = max(1, -(-(steps - start) // max(period, 1)))
+    if cooldown:
+        length = max(1, round(cooldown * outer_steps))
+        ramp = lambda c: jnp.clip((c - (outer_steps - length)) / length, 0.0, 1.0)  # noqa: E731
+        return {
+            "learning_rate": lambda c: lr + (1.0 - lr) * ramp(c),
+            "momentum": lambda c: momentum * (1.0 - ramp(c)),
+            "nesterov": True,
+        }
+    schedule = optax.cosine_decay_schedule(lr, outer_steps, alpha=floor)
+    return {"learning_rate": schedule, "momentum": momentum, "nesterov": True}
+
+
+def outer_optimizer(outer: dict[str, Any]) -> optax.GradientTransformation:
+    """``optax.sgd(**outer)``; with a momentum schedule (``outer_options``'s cooldown)
+    ``optax.inject_hyperparams(optax.sgd)(**outer)``, which calls it with the outer
+    step count."""
+    if callable(outer.get("momentum")):
+        return optax.inject_hyperparams(optax.sgd)(**outer)
+    return optax.sgd(**outer)
 
 
 def make_tx(
@@ -329,7 +359,7 @@ def make_tx(
     if method.bits:
         options["communication"] = lsgd_jax.comm.quantized(method.bits, two_level=True)
     if method.kind == "diloco":
-        options["outer_optimizer"] = optax.sgd(**(outer or DILOCO_OUTER))
+        options["outer_optimizer"] = outer_optimizer(outer or DILOCO_OUTER)
     averager = lsgd_jax.PeriodicModelAverager(method.period, warmup_steps=start, **options)
     means = lsgd_jax.comm.quantized(warmup_bits, two_level=True) if warmup_bits else None
     hook = lsgd_jax.post_local_sgd(start, communication=means)
@@ -386,11 +416,24 @@ class Setup:
     args: argparse.Namespace
 
 
+def outer_of_args(args: argparse.Namespace, method: Method) -> dict[str, Any]:
+    """:func:`outer_options` from ``--outer-lr --outer-momentum --outer-decay
+    --outer-floor --outer-cooldown`` (this script's and benchmarks/lm_link.py's)."""
+    scheduled = args.outer_decay or args.outer_cooldown
+    decay = (args.steps, args.start, method.period) if scheduled else None
+    return outer_options(
+        args.outer_lr,
+        args.outer_momentum,
+        decay,
+        floor=args.outer_floor,
+        cooldown=args.outer_cooldown,
+    )
+
+
 def train(method: Method, setup: Setup, progress: bool = True) -> dict[str, Any]:
     """Trains one method; returns its record (histories included)."""
     a, cfg = setup.args, setup.model
-    decay = (a.steps, a.start, method.period) if a.outer_decay else None
-    outer = outer_options(a.outer_lr, a.outer_momentum, decay)
+    outer = outer_of_args(a, method)
     tx = tx_of_args(method, a, outer)
     graphdef, params0 = init_model(cfg, a.seed)
     step = lsgd_jax.data_parallel_step(make_loss_fn(graphdef), tx, setup.mesh)
@@ -521,6 +564,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--outer-decay",
         action="store_true",
         help="diloco's outer learning rate decays to 0 over its outer steps (cosine)",
+    )
+    p.add_argument(
+        "--outer-floor",
+        type=float,
+        default=0.0,
+        help="with --outer-decay: the cosine ends at this fraction of --outer-lr",
+    )
+    p.add_argument(
+        "--outer-cooldown",
+        type=float,
+        default=0.0,
+        help="instead of --outer-decay: over this last fraction of the outer steps the outer"
+        " step turns linearly into a plain average (learning rate 1, no momentum)",
     )
     p.add_argument("--warmup", type=int, default=50, help="learning-rate warm-up steps")
     p.add_argument(

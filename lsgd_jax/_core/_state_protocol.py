@@ -41,6 +41,8 @@ FLAG = "flag"
 CONFIG = "config"
 PIN = "pin"
 STATIC_ROLES = frozenset({CONFIG, PIN})
+HOOK = "hook"  # a PhasedState's KIND: the gradient hook's state (first in its chain)
+AVERAGER = "averager"  # a model averager's state (last in its chain)
 ROLES = frozenset({COUNTER, BUFFER, RESIDUAL, FLAG}) | STATIC_ROLES
 
 
@@ -100,12 +102,14 @@ class PhasedState(Struct):
     """The protocol of the hook's and the averagers' states.
 
     A subclass declares its fields with :func:`field`, names its main counter in
-    ``COUNTER_FIELD`` (the one a sync check reports) and has a ``pinned_phase`` PIN
-    field; it gives ``num_phases``, ``phase`` (from its counters, on the device) and
-    ``phase_digits`` (the same, replayed on the host).
+    ``COUNTER_FIELD`` (the one a sync check reports), says what it is in ``KIND``
+    (:data:`HOOK` or :data:`AVERAGER`: where a chain wants it and what it averages)
+    and has a ``pinned_phase`` PIN field; it gives ``num_phases``, ``phase`` (from its
+    counters, on the device) and ``phase_digits`` (the same, replayed on the host).
     """
 
     COUNTER_FIELD: ClassVar[str]
+    KIND: ClassVar[str]
     pinned_phase: int | None
 
     @property
@@ -154,9 +158,24 @@ def is_state(x: Any) -> bool:
     return isinstance(x, PhasedState)
 
 
-def states(tree: Any) -> list[PhasedState]:
-    """The states in ``tree``, in tree order."""
-    return [x for x in jax.tree.leaves(tree, is_leaf=is_state) if is_state(x)]
+def is_kind(x: Any, kind: str) -> bool:
+    """Whether ``x`` is a state of ``kind`` (:data:`HOOK` or :data:`AVERAGER`)."""
+    return is_state(x) and x.KIND == kind
+
+
+def states(tree: Any, kind: str | None = None) -> list[PhasedState]:
+    """The states in ``tree`` (of ``kind`` only, when given), in tree order.
+
+    Example:
+      >>> import optax, lsgd_jax
+      >>> from lsgd_jax._core import _state_protocol as sp
+      >>> tx = optax.chain(lsgd_jax.post_local_sgd(4), optax.sgd(0.1),
+      ...     lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(2, warmup_steps=4)))
+      >>> [s.KIND for s in sp.states(tx.init({}))], len(sp.states(tx.init({}), sp.HOOK))
+      (['hook', 'averager'], 1)
+    """
+    found = [x for x in jax.tree.leaves(tree, is_leaf=is_state) if is_state(x)]
+    return found if kind is None else [x for x in found if x.KIND == kind]
 
 
 def leaf_roles(tree: Any) -> list[str | None]:

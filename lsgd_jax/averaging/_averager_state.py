@@ -57,6 +57,7 @@ class ModelAveragerState(sp.PhasedState):
     """
 
     COUNTER_FIELD = "step"
+    KIND = sp.AVERAGER
 
     step: jax.Array = sp.field(sp.COUNTER)
     # described field by field in a checkpoint; blanked in its structure (the format of

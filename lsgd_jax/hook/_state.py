@@ -93,6 +93,7 @@ class PostLocalSGDState(sp.PhasedState):
     """
 
     COUNTER_FIELD = "iter"
+    KIND = sp.HOOK
 
     iter: jax.Array = sp.field(sp.COUNTER)
     # "blank": the value a checkpoint's structure records in its place (its own line

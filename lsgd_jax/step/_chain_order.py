@@ -25,8 +25,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from lsgd_jax.averaging._averager_state import ModelAveragerState
-from lsgd_jax.hook._state import PostLocalSGDState
+from lsgd_jax._core import _state_protocol as sp
 
 _NAMES = {"PostLocalSGDOptimizerState": "post_local_sgd_optimizer"}  # ours that wrap ours
 
@@ -75,7 +74,7 @@ def places(opt_state: Any) -> Iterator[Place]:
     """
 
     def walk(x: Any, chains: tuple) -> Iterator[Place]:
-        if isinstance(x, (PostLocalSGDState, ModelAveragerState)):
+        if sp.is_state(x):
             yield Place(x, chains)
         elif _is_chain(x):
             for i, child in enumerate(_items(x)):
@@ -97,9 +96,9 @@ def describe(x: Any) -> str:
       >>> _chain_order.describe(tx.init({}))
       'chain(chain(ScaleByAdamState, EmptyState), post_local_sgd)'
     """
-    if isinstance(x, PostLocalSGDState):
+    if sp.is_kind(x, sp.HOOK):
         return "post_local_sgd"
-    if isinstance(x, ModelAveragerState):
+    if sp.is_kind(x, sp.AVERAGER):
         return "model_averaging"
     if _NAMES.get(type(x).__name__):
         return _NAMES[type(x).__name__]
@@ -150,7 +149,7 @@ def check(opt_state: Any) -> None:
       ValueError: model_averaging must come last in the optax.chain, ...
     """
     for place in places(opt_state):
-        hook = isinstance(place.state, PostLocalSGDState)
+        hook = place.state.KIND == sp.HOOK
         found = _misplaced(place, want_first=hook)
         if found is None:
             continue

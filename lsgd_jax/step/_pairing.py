@@ -11,29 +11,18 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import jax
-
 from lsgd_jax._core import _collectives
-from lsgd_jax.averaging._averager_state import ModelAveragerState
+from lsgd_jax._core import _state_protocol as sp
 from lsgd_jax.hook._hook import DEFAULT_SUBGROUP
-from lsgd_jax.hook._state import PostLocalSGDState
 from lsgd_jax.step import _chain_order
-
-
-def _is_node(x: Any) -> bool:
-    return isinstance(x, (PostLocalSGDState, ModelAveragerState))
-
-
-def _nodes(opt_state: Any) -> list[Any]:
-    return [x for x in jax.tree.leaves(opt_state, is_leaf=_is_node) if _is_node(x)]
 
 
 def has_hook(opt_state: Any) -> bool:
     """Whether ``opt_state`` holds a PostLocalSGDState (a post_local_sgd hook)."""
-    return any(isinstance(x, PostLocalSGDState) for x in _nodes(opt_state))
+    return bool(sp.states(opt_state, sp.HOOK))
 
 
-def _redundant_levels(hook: PostLocalSGDState, averager: Any) -> list[Any]:
+def _redundant_levels(hook: Any, averager: Any) -> list[Any]:
     """The averager's groups that lie inside the hook's gradient-averaging subgroup."""
     if not hook.post_local_gradient_allreduce:
         return []
@@ -96,12 +85,12 @@ def check_configuration(opt_state: Any, *, check_order: bool = True) -> None:
       ...
       ValueError: post_local_sgd must come first in the optax.chain, but it sits at position 1 ...
     """
-    nodes = _nodes(opt_state)
-    hooks = [(i, x) for i, x in enumerate(nodes) if isinstance(x, PostLocalSGDState)]
+    nodes = sp.states(opt_state)
+    hooks = [(i, x) for i, x in enumerate(nodes) if x.KIND == sp.HOOK]
     averagers = [
         (i, x.averager)
         for i, x in enumerate(nodes)
-        if isinstance(x, ModelAveragerState) and x.averager is not None
+        if x.KIND == sp.AVERAGER and x.averager is not None
     ]
     if hooks and averagers and averagers[0][0] < hooks[0][0]:
         raise ValueError(

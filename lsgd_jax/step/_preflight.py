@@ -26,8 +26,7 @@ from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 from lsgd_jax._core import _collectives
-from lsgd_jax.averaging._averager_state import ModelAveragerState
-from lsgd_jax.hook._state import PostLocalSGDState
+from lsgd_jax._core import _state_protocol as sp
 from lsgd_jax.step import _pairing, _phase
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # lsgd_jax/
@@ -71,7 +70,7 @@ def describe_phase(opt_state: Any, index: int) -> str:
     """
     words = []
     for state, digit in _digits(opt_state, index):
-        if isinstance(state, PostLocalSGDState):
+        if state.KIND == sp.HOOK:
             if digit:
                 words.append("post_local_sgd's global gradient mean (the warm-up)")
             elif state.post_local_gradient_allreduce:
@@ -81,7 +80,7 @@ def describe_phase(opt_state: Any, index: int) -> str:
                 )
             else:
                 words.append("post_local_sgd without a gradient mean (local SGD)")
-        elif isinstance(state, ModelAveragerState):
+        elif state.KIND == sp.AVERAGER:
             words.append(_averager_words(state, digit))
     return ", ".join(words) or "the only phase"
 
@@ -96,7 +95,7 @@ def _digits(opt_state: Any, index: int) -> list[tuple[Any, int]]:
     return list(zip(states, reversed(digits)))
 
 
-def _averager_words(state: ModelAveragerState, digit: int) -> str:
+def _averager_words(state: Any, digit: int) -> str:
     schedule = state.averager.sync_schedule
     lands, level = divmod(digit, schedule.num_levels + 1)
     landing = ", a delayed average landing" if lands else ""
@@ -210,8 +209,7 @@ def check_phases(
 
 
 def _holds_ours(opt_state: Any) -> bool:
-    is_ours = lambda x: isinstance(x, (PostLocalSGDState, ModelAveragerState))  # noqa: E731
-    return any(is_ours(x) for x in jax.tree.leaves(opt_state, is_leaf=is_ours))
+    return bool(sp.states(opt_state))
 
 
 def _hint(opt_state: Any, index: int, axes: tuple[str, ...]) -> str:
@@ -221,7 +219,7 @@ def _hint(opt_state: Any, index: int, axes: tuple[str, ...]) -> str:
         return ""
     for state, digit in _digits(opt_state, index):
         if (
-            isinstance(state, PostLocalSGDState)
+            state.KIND == sp.HOOK
             and digit == 0
             and state.subgroup is None
             and state.post_local_gradient_allreduce

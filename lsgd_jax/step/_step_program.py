@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lsgd_jax._core import _collectives
+from lsgd_jax._core import _state_protocol as sp
 from lsgd_jax.averaging import _outer
 from lsgd_jax.averaging._averager_state import ModelAveragerState
 from lsgd_jax.mesh import _fsdp
@@ -53,8 +54,7 @@ def averager_states(opt_state: Any) -> list[ModelAveragerState]:
       >>> [s.averager.period for s in lsgd_jax.averager_states(tx.init({}))]
       [4]
     """
-    is_state = lambda x: isinstance(x, ModelAveragerState)  # noqa: E731
-    return [x for x in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(x)]
+    return sp.states(opt_state, sp.AVERAGER)
 
 
 def check_optimizer(opt_state: Any, check_order: bool = True) -> None:

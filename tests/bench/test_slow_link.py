@@ -302,6 +302,10 @@ def test_lm_link_arguments():
     assert ll.parse([]).methods.startswith("ddp")
     args = ll.parse(["--outer-decay", "--outer-lr", "0.5"])
     assert args.outer_decay and args.outer_lr == 0.5 and args.outer_momentum == 0.9
+    cool = ll.parse(["--outer-cooldown", "0.3", "--steps", "100", "--start", "20"])
+    lm = ll._lm()
+    outer = lm.outer_of_args(cool, lm.parse_method("diloco8"))  # 10 outer steps
+    assert float(outer["momentum"](0)) == pytest.approx(0.9) and float(outer["momentum"](10)) == 0
     with pytest.raises(SystemExit):
         ll.parse(["--methods", "local32,ddp"])  # DDP first: it sets the target
     with pytest.raises(SystemExit):

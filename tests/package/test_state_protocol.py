@@ -147,3 +147,30 @@ def test_no_state_field_is_named_outside_its_package():
             if isinstance(node, (ast.Attribute, ast.keyword)) and name in owned:
                 found.append(f"{rel}:{node.lineno} {name}")
     assert found == []
+
+
+def test_no_code_outside_the_states_packages_tests_for_a_state_class():
+    """Whether a state is the hook's or an averager's is its ``KIND`` (the protocol's),
+    so the step's chain checks and phase words hold no ``isinstance`` on the classes."""
+    names = {cls.__name__ for cls in STATES}
+    found = []
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in ("averaging", "hook"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
+                used = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+                used |= {n.attr for n in ast.walk(node.args[1]) if isinstance(n, ast.Attribute)}
+                if used & names:
+                    found.append(f"{rel}:{node.lineno}")
+    assert found == []
+
+
+def test_kind_says_hook_or_averager():
+    hook, avg = sp.states(full_chain().init(PARAMS))
+    assert (hook.KIND, avg.KIND) == (sp.HOOK, sp.AVERAGER)
+    assert sp.is_kind(hook, sp.HOOK) and not sp.is_kind(hook, sp.AVERAGER)
+    assert not sp.is_kind(PARAMS, sp.HOOK)
+    averagers = sp.states(full_chain().init(PARAMS), sp.AVERAGER)
+    assert [type(s) for s in averagers] == [lsgd_jax.ModelAveragerState]
