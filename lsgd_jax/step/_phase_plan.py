@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import optax
 
-from lsgd_jax.step import _phase
+from lsgd_jax.step import _phase, _step_inputs
 
 # Wrappers whose inner state (ours inside) may skip an update: the host cannot follow
 # the counters through them, so such steps branch on the device ("switch").
@@ -41,14 +41,15 @@ class PhasePlan:
     """Follows the step counters on the host, one phase per call.
 
     Args:
-      specialize: ``data_parallel_step``'s ``specialize`` (True, ``"switch"`` or False).
+      specialize: ``data_parallel_step``'s ``specialize`` (``"phase"``, ``"switch"`` or
+        ``"cond"``; True and False are aliases of the first and the last).
 
     Example:
       >>> import optax, lsgd_jax
       >>> from lsgd_jax.step._phase_plan import PhasePlan
       >>> tx = optax.chain(lsgd_jax.post_local_sgd(2), optax.sgd(0.1),
       ...     lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(2, warmup_steps=2)))
-      >>> plan, state = PhasePlan(True), tx.init({})
+      >>> plan, state = PhasePlan("phase"), tx.init({})
       >>> modes = []
       >>> for _ in range(4):
       ...     modes.append(plan.mode(state))
@@ -60,7 +61,7 @@ class PhasePlan:
     _CHUNK = 8  # steps replayed at a time
 
     def __init__(self, specialize: bool | str) -> None:
-        self._specialize = specialize
+        self._specialize = _step_inputs.specialize_mode(specialize)
         self._fixed: dict[Any, int | str | None] = {}
         self._phases = np.zeros(0, np.int64)
         self._snapshot: Any = None
@@ -74,8 +75,8 @@ class PhasePlan:
         treedef = jax.tree.structure(opt_state)
         if treedef not in self._fixed:
             fixed: int | str | None = None
-            if self._specialize is not True or _phase.num_phases(opt_state) == 1:
-                fixed = "cond" if self._specialize is False else "switch"
+            if self._specialize != "phase" or _phase.num_phases(opt_state) == 1:
+                fixed = "cond" if self._specialize == "cond" else "switch"
             elif skips_on_device(opt_state):
                 fixed = "switch"
             self._fixed[treedef] = fixed

@@ -41,7 +41,7 @@ def data_parallel_step(
     donate: bool = True,
     max_in_flight: int | None = 2,
     check_in_sync_every: int | None = None,
-    specialize: bool | str = True,
+    specialize: str | bool = "phase",
     lowering: str = "shard_map",
     overlap: bool | None = None,
     compile_ahead: int = 4,
@@ -113,24 +113,24 @@ def data_parallel_step(
         before JAX starts gives the pool spare threads. A loop of your own needs the
         same bound: "At most two steps in flight" in docs/training_loops.md. None: no
         limit.
-      specialize: how the step's branches are compiled. ``True`` (default): one
-        program per phase (global or node-local gradient mean, times each averaging
-        level; see :func:`phase_index`), compiled when that phase first occurs and
-        chosen on the host from the step counters, each with every hook and averager
-        pinned to its branch, so it is straight-line code as fast as a hand-written
-        step: the gradient all-reduce overlaps the backward pass, and the first step
-        compiles one phase only. The host follows the counters itself (no wait for the
-        device); each program also checks the phase on the device, and a program that
-        meets another phase leaves the state unchanged and the step raises an error a
-        few calls later. Under wrappers that may skip an update (``optax.MultiSteps``,
-        ``apply_if_finite``, ``conditionally_transform``, ``masked``... whose states
-        hold ours) it uses ``"switch"`` instead. ``"switch"``: one program, the whole
-        step traced once per phase under one ``lax.switch`` (as fast, but every phase
-        compiled at once; at most ``MAX_PHASES``, 16, else the conds). ``False``: one
-        program with a ``lax.cond`` per transform (fuses worse: 12-40% slower on CPU,
-        see benchmarks/overhead.py). The pin is static metadata of the states, so a
-        ``jax.jit`` or ``jax.checkpoint`` around ``tx.update`` traces each phase apart.
-        A collective's ``branch`` in :func:`communication_report` is the phase index.
+      specialize: how the step's branches are compiled. ``"phase"`` (default; ``True`` is
+        its alias): one program per phase (global or node-local gradient mean, times each
+        averaging level; see :func:`phase_index`), compiled when that phase first occurs and
+        chosen on the host from the step counters, each with every hook and averager pinned
+        to its branch, so it is straight-line code as fast as a hand-written step: the
+        gradient all-reduce overlaps the backward pass, and the first step compiles one
+        phase only. The host follows the counters itself (no wait for the device); each
+        program also checks the phase on the device, and a program that meets another phase
+        leaves the state unchanged and the step raises an error a few calls later. Under
+        wrappers that may skip an update (``optax.MultiSteps``, ``apply_if_finite``,
+        ``conditionally_transform``, ``masked``... whose states hold ours) it uses
+        ``"switch"`` instead. ``"switch"``: one program, the whole step traced once per
+        phase under one ``lax.switch`` (as fast, but every phase compiled at once; at most
+        ``MAX_PHASES``, 16, else the conds). ``"cond"`` (``False`` is its alias): one
+        program with a ``lax.cond`` per transform (fuses worse: 12-40% slower on CPU, see
+        benchmarks/overhead.py). The pin is static metadata of the states, so a ``jax.jit``
+        or ``jax.checkpoint`` around ``tx.update`` traces each phase apart. A collective's
+        ``branch`` in :func:`communication_report` is the phase index.
       lowering: ``"shard_map"`` (default): the whole per-replica step runs inside one
         ``jax.shard_map`` over the data axes. ``"jit"``: for pjit-style code that never
         writes ``shard_map``: ``loss_fn`` runs under plain ``jax.jit``, mapped over the
@@ -206,7 +206,7 @@ def data_parallel_step(
       0.004
     """
     axes = _step_inputs.check_axes(mesh, axes if axes is not None else data_axes(mesh))
-    _step_inputs.check_modes(specialize, lowering, overlap)
+    specialize = _step_inputs.check_modes(specialize, lowering, overlap)
     has_aux, with_model_state, donate = (
         _validate.boolean(value, f"data_parallel_step: {name}")
         for name, value in (
@@ -308,7 +308,7 @@ class DataParallelStep(_AheadOfTime):
 
     @property
     def jitted(self) -> Any:
-        return self._program("cond" if self._specialize is False else "switch")
+        return self._program("cond" if self._specialize == "cond" else "switch")
 
     def _program(self, mode: int | str) -> Any:
         if mode not in self._programs:

@@ -137,22 +137,46 @@ def place_batch(batch: Any, mesh: Mesh, axes: tuple[str, ...]) -> Any:
     return jax.tree.map(place, batch)
 
 
-def check_modes(specialize: Any, lowering: Any, overlap: Any) -> None:
+SPECIALIZE_MODES = ("phase", "switch", "cond")
+
+
+def specialize_mode(specialize: Any) -> str:
+    """``data_parallel_step``'s ``specialize`` in its one spelling: ``"phase"`` (one
+    program per phase; ``True`` is its alias), ``"switch"`` (one program, a
+    ``lax.switch`` over the phases) or ``"cond"`` (one program, a ``lax.cond`` per
+    transform; ``False`` is its alias). The two one-program spellings are also the keys
+    of those programs (a phase program's key is its phase index).
+
+    Example:
+      >>> from lsgd_jax.step._step_inputs import specialize_mode
+      >>> specialize_mode(True), specialize_mode("switch"), specialize_mode(False)
+      ('phase', 'switch', 'cond')
+      >>> specialize_mode(1)
+      Traceback (most recent call last):
+      ...
+      ValueError: data_parallel_step: specialize must be 'phase', 'switch' or 'cond' ...
+    """
+    if specialize is True or specialize is False:
+        return "phase" if specialize else "cond"
+    if isinstance(specialize, str) and specialize in SPECIALIZE_MODES:
+        return specialize
+    raise ValueError(
+        "data_parallel_step: specialize must be 'phase', 'switch' or 'cond' (or True for "
+        f"'phase', False for 'cond'), got {specialize!r}."
+    )
+
+
+def check_modes(specialize: Any, lowering: Any, overlap: Any) -> str:
     """``data_parallel_step``'s ``specialize`` and ``lowering``, and the deprecated
-    ``overlap`` (a DeprecationWarning when True).
+    ``overlap`` (a DeprecationWarning when True); returns ``specialize`` in its one
+    spelling (:func:`specialize_mode`).
 
     Example:
       >>> from lsgd_jax.step._step_inputs import check_modes
-      >>> check_modes("switch", "shard_map", None)
-      >>> check_modes(1, "shard_map", None)
-      Traceback (most recent call last):
-      ...
-      ValueError: data_parallel_step: specialize must be True, False or 'switch', got 1.
+      >>> check_modes(True, "shard_map", None)
+      'phase'
     """
-    if not any(specialize is v for v in (True, False)) and specialize != "switch":
-        raise ValueError(
-            f"data_parallel_step: specialize must be True, False or 'switch', got {specialize!r}."
-        )
+    mode = specialize_mode(specialize)
     _validate.one_of(
         lowering,
         "data_parallel_step: lowering",
@@ -168,6 +192,7 @@ def check_modes(specialize: Any, lowering: Any, overlap: Any) -> None:
             DeprecationWarning,
             stacklevel=3,
         )
+    return mode
 
 
 def check_compiler_options(options: Any) -> tuple[tuple[str, Any], ...]:

@@ -131,12 +131,40 @@ def test_errors_users_make():
         lsgd_jax.data_parallel_step(lambda p, b: 0.0, tx, other, axes=("node", "y"))
 
 
+def test_specialize_has_one_spelling_and_the_bools_are_its_aliases():
+    """Issue 28: "phase", "switch" and "cond" (True and False kept as aliases); the
+    one-program spellings are their programs' keys, so the ledger and the step agree."""
+    mesh = mesh_2x4()
+    tx = optax.chain(
+        lsgd_jax.post_local_sgd(2),
+        optax.sgd(0.1),
+        lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(2, warmup_steps=2)),
+    )
+    loss = lambda p, b: jnp.mean((b @ p) ** 2)  # noqa: E731
+    p = jnp.ones(3)
+    batch = jnp.arange(24.0).reshape(8, 3) / 24
+    results, programs = {}, {}
+    for spelling in ("phase", True, "switch", "cond", False):
+        step = lsgd_jax.data_parallel_step(loss, tx, mesh, specialize=spelling)
+        params, state = lsgd_jax.replicate(p, mesh), lsgd_jax.replicate(tx.init(p), mesh)
+        for _ in range(5):
+            params, state, _ = step(params, state, batch)
+        results[spelling] = np.asarray(params)
+        programs[spelling] = sorted(map(str, step._programs))
+    assert programs["phase"] == programs[True] == ["0", "1", "2"]
+    assert programs["switch"] == ["switch"] and programs["cond"] == programs[False] == ["cond"]
+    for spelling, value in results.items():
+        np.testing.assert_allclose(value, results["phase"], rtol=1e-6, err_msg=str(spelling))
+
+
 def test_step_options_are_checked():
     """Issue 17, defect 10: truthy look-alikes were accepted, an axis name was split."""
     mesh, tx = mesh_2x4(), optax.chain(lsgd_jax.post_local_sgd(2), optax.sgd(0.1))
     loss = lambda p, b: jnp.mean((b @ p) ** 2)  # noqa: E731
-    with pytest.raises(ValueError, match="specialize must be True, False or 'switch', got 1"):
+    with pytest.raises(ValueError, match="specialize must be 'phase', 'switch' or 'cond'.*got 1"):
         lsgd_jax.data_parallel_step(loss, tx, mesh, specialize=1)
+    with pytest.raises(ValueError, match="got 'phases'"):
+        lsgd_jax.data_parallel_step(loss, tx, mesh, specialize="phases")
     with pytest.raises(TypeError, match="donate must be True or False, got 'x'"):
         lsgd_jax.data_parallel_step(loss, tx, mesh, donate="x")
     with pytest.raises(TypeError, match="has_aux must be True or False"):
