@@ -307,33 +307,32 @@ def outer_options(
     (one at the switch, then every ``period``) to ``floor`` times ``lr``, so that the
     momentum stops moving the model when the inner learning rate has decayed (without
     it, the validation loss rose over the last 100 of 1,500 steps: benchmarks/RESULTS.md
-    part 8). ``cooldown`` (a fraction of the outer steps, instead of the cosine): the
-    outer step stays Nesterov(``lr``, ``momentum``) and over the last ``cooldown`` of
-    the outer steps turns linearly into a plain average (learning rate 1, no momentum);
-    the momentum is then a schedule (``make_tx`` injects it with
-    ``optax.inject_hyperparams``)."""
+    part 8). ``cooldown`` (a fraction of the outer steps, instead of the cosine):
+    ``lsgd_jax.averaging.diloco_outer``, which stays Nesterov(``lr``, ``momentum``) and
+    over the last ``cooldown`` of the outer steps turns linearly into a plain average
+    (learning rate 1, no momentum); the options then hold ``cooldown`` and
+    ``outer_steps`` too, and :func:`outer_optimizer` builds it."""
     if decay is None:
         return {"learning_rate": lr, "momentum": momentum, "nesterov": True}
     steps, start, period = decay
-    outer_steps = max(1, -(-(steps - start) // max(period, 1)))
+    outer_steps = lsgd_jax.averaging.num_outer_steps(steps, start, period)
     if cooldown:
-        length = max(1, round(cooldown * outer_steps))
-        ramp = lambda c: jnp.clip((c - (outer_steps - length)) / length, 0.0, 1.0)  # noqa: E731
-        return {
-            "learning_rate": lambda c: lr + (1.0 - lr) * ramp(c),
-            "momentum": lambda c: momentum * (1.0 - ramp(c)),
-            "nesterov": True,
-        }
+        return {"learning_rate": lr, "momentum": momentum, "nesterov": True,
+                "cooldown": cooldown, "outer_steps": outer_steps}  # fmt: skip
     schedule = optax.cosine_decay_schedule(lr, outer_steps, alpha=floor)
     return {"learning_rate": schedule, "momentum": momentum, "nesterov": True}
 
 
 def outer_optimizer(outer: dict[str, Any]) -> optax.GradientTransformation:
-    """``optax.sgd(**outer)``; with a momentum schedule (``outer_options``'s cooldown)
-    ``optax.inject_hyperparams(optax.sgd)(**outer)``, which calls it with the outer
-    step count."""
-    if callable(outer.get("momentum")):
-        return optax.inject_hyperparams(optax.sgd)(**outer)
+    """``optax.sgd(**outer)``; with a cool-down (:func:`outer_options`)
+    ``lsgd_jax.averaging.diloco_outer``."""
+    if "cooldown" in outer:
+        return lsgd_jax.averaging.diloco_outer(
+            outer["outer_steps"],
+            outer["learning_rate"],
+            outer["momentum"],
+            cooldown=outer["cooldown"],
+        )
     return optax.sgd(**outer)
 
 

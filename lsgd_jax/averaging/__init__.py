@@ -3,6 +3,7 @@
 from lsgd_jax.averaging._averager_state import ModelAveragerState
 from lsgd_jax.averaging._averaging import HierarchicalModelAverager
 from lsgd_jax.averaging._averaging import PeriodicModelAverager
+from lsgd_jax.averaging._diloco import diloco_outer, num_outer_steps
 from lsgd_jax.averaging._from_parts import from_parts
 from lsgd_jax.averaging._outer import Assign
 from lsgd_jax.averaging._outer import OuterStep
@@ -25,7 +26,9 @@ __all__ = [
     "PostLocalSGDOptimizerState",
     "SendDelta",
     "SendParams",
+    "diloco_outer",
     "from_parts",
     "model_averaging",
+    "num_outer_steps",
     "post_local_sgd_optimizer",
 ]

@@ -138,11 +138,15 @@ OUTERS = [
     M.OuterConfig(1.0),
     M.OuterConfig(0.7),
     M.OuterConfig(0.7, momentum=0.9, nesterov=True),
+    M.OuterConfig(0.7, momentum=0.9, nesterov=True, cooldown=(4, 0.5)),  # issue 29
 ]
 
 
 @functools.cache
 def outer_tx(cfg: M.OuterConfig) -> optax.GradientTransformation:
+    if cfg.cooldown is not None:
+        total, fraction = cfg.cooldown
+        return lsgd_jax.averaging.diloco_outer(total, cfg.lr, cfg.momentum, cooldown=fraction)
     return optax.sgd(cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
 
 
@@ -963,6 +967,35 @@ def test_outer_optimizer_leaves_integer_leaves_alone():
         np.testing.assert_array_equal(outs[0]["n"], n, err_msg=who)
         # w: anchor 0, mean 3.5, pseudo-gradient -3.5, update 0.7 * 3.5
         np.testing.assert_allclose(outs[0]["w"][:, 0], np.full(8, 2.45), rtol=1e-6, err_msg=who)
+
+
+@pytest.mark.parametrize("skip_first", [True, False])
+@pytest.mark.parametrize("delay", [0, 1])
+def test_diloco_outer_cools_down_by_its_own_updates(skip_first, delay):
+    """Issue 29: averaging.diloco_outer's learning rate and momentum follow the outer
+    optimizer's own updates (a plain first average not counted, a delayed average
+    counted when it lands), through the averager, against the model's replay."""
+    cooldown = M.OuterConfig(0.7, momentum=0.9, nesterov=True, cooldown=(5, 0.4))
+    cfg = M.AveragerConfig(
+        "periodic", period=2, delay=delay, outer=cooldown, outer_skip_first=skip_first
+    )
+    rng = np.random.default_rng(7)
+    init = {"a": np.zeros(2, np.float32), "w": np.zeros(3, np.float32)}
+    per_step = [
+        {k: rng.normal(size=(8, *v.shape)).astype(np.float32) * (1 + s) for k, v in init.items()}
+        for s in range(14)
+    ]
+    got = average_both(cfg, init, per_step)
+    (want, model_state), (outs, state) = got["model"], got["library"]
+    for step, (w, g) in enumerate(zip(want, outs)):
+        for k in init:
+            np.testing.assert_allclose(g[k], w[k], rtol=2e-6, atol=1e-6, err_msg=f"{step} {k}")
+    np.testing.assert_array_equal(state.outer_count, model_state.outer_count)
+    # the outer optimizer counted its updates, which the cool-down ran past: a plain average
+    hyper = state.outer_state.hyperparams
+    assert np.all(np.asarray(state.outer_state.count) >= 5)
+    np.testing.assert_allclose(np.asarray(hyper["learning_rate"]), 1.0)
+    np.testing.assert_allclose(np.asarray(hyper["momentum"]), 0.0, atol=1e-7)
 
 
 def test_fragment_average_moves_only_its_part_of_the_delta_anchor():

@@ -26,11 +26,25 @@ from spec_model.quantized import QuantConfig, quantized_group_mean
 @short_repr
 @dataclasses.dataclass(frozen=True)
 class OuterConfig:
-    """An outer ``optax.sgd(lr, momentum, nesterov)``."""
+    """An outer ``optax.sgd(lr, momentum, nesterov)``; with ``cooldown=(total,
+    fraction)`` ``averaging.diloco_outer(total, lr, momentum, cooldown=fraction)``."""
 
     lr: float
     momentum: float | None = None
     nesterov: bool = False
+    cooldown: tuple[int, float] | None = None
+
+    def at(self, updates: int) -> tuple[np.float32, np.float32 | None]:
+        """Rule (diloco_outer): "over the last ``round(fraction * total)`` (at least 1)
+        of ``total`` updates, counted by the outer optimizer's own updates so far, the
+        learning rate rises linearly to 1 and the momentum falls to 0"; else constant."""
+        if self.cooldown is None:
+            return F32(self.lr), None if self.momentum is None else F32(self.momentum)
+        total, fraction = self.cooldown
+        length = max(1, round(fraction * total))
+        ramp = F32(min(max((updates - (total - length)) / length, 0.0), 1.0))
+        lr, m = F32(self.lr), F32(self.momentum)
+        return lr + (F32(1.0) - lr) * ramp, m * (F32(1.0) - ramp)
 
 
 @short_repr
@@ -210,17 +224,21 @@ def averager_level(cfg: AveragerConfig, state: AveragerState) -> int:
 
 
 def outer_step(
-    cfg: OuterConfig, anchor: np.ndarray, mean: np.ndarray, trace: np.ndarray | None
+    cfg: OuterConfig,
+    anchor: np.ndarray,
+    mean: np.ndarray,
+    trace: np.ndarray | None,
+    updates: int = 0,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Rule: "pseudo_grad = anchor - m; (upd, outer_state) = outer.update(pseudo_grad,
     outer_state, anchor); new = anchor + upd (computed as m + (pseudo_grad + upd), so
-    optax.sgd(1.0) gives m exactly)". Returns ``(new, new_trace)``."""
+    optax.sgd(1.0) gives m exactly)"; ``updates``: the outer optimizer's updates before
+    this one (``OuterConfig.at``). Returns ``(new, new_trace)``."""
     pseudo = anchor - mean
-    lr = F32(cfg.lr)
-    if cfg.momentum is None:
+    lr, m = cfg.at(updates)
+    if m is None:
         upd = -lr * pseudo
     else:
-        m = F32(cfg.momentum)
         trace = pseudo + m * trace
         upd = -lr * ((pseudo + m * trace) if cfg.nesterov else trace)
     return mean + (pseudo + upd), trace
@@ -322,7 +340,8 @@ def _outer_steps(
             if first or not is_floating(v):
                 continue
             trace = None if state.outer_trace is None else state.outer_trace[k][r]
-            new, trace = outer_step(cfg, anchor[k][r], v[r], trace)
+            updates = int(state.outer_count[r]) - int(skip_first)  # the first was plain
+            new, trace = outer_step(cfg, anchor[k][r], v[r], trace, updates)
             out[k][r] = new
             if trace is not None:
                 new_state.outer_trace[k][r] = trace
