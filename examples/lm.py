@@ -75,6 +75,17 @@ QUICK = [
     *("--layers", "1", "--width", "32", "--heads", "2", "--context", "32"),
     *("--global-batch", "16", "--max-mb", "0.5", "--val-windows", "16"),
 ]
+# Named recipes: flags that --recipe puts first (later flags override them).
+# slow-link (issue 29, benchmarks/RESULTS.md part 8): DDP's validation loss at 1/110 of
+# its cross-node bytes over 1,500 steps, warm-up included: a 4-bit two-level warm-up of
+# 150 steps (a tenth of the run), then DiLoCo at H=24 with 8-bit two-level averages and
+# an outer Nesterov step that cools down into a plain average over its last 30%.
+RECIPES = {
+    "slow-link": [
+        *("--compare", "diloco24", "--bits", "8", "--warmup-bits", "4", "--start", "150"),
+        *("--outer-cooldown", "0.3", "--steps", "1500", "--warmup", "50", "--eval-every", "100"),
+    ],
+}
 INNER_AXES = ("local",)  # the mesh axis of one node's devices
 DILOCO_OUTER = {"learning_rate": 0.7, "momentum": 0.9, "nesterov": True}
 
@@ -542,9 +553,17 @@ def summary_line(record: dict) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """The command line (``--quick`` first sets the CI sizes; later flags override)."""
+    """The command line (``--recipe`` first sets a recipe's flags, ``--quick`` then the CI
+    sizes; later flags override both)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes, for CI: " + " ".join(QUICK))
+    p.add_argument(
+        "--recipe",
+        default="",
+        choices=["", *RECIPES],
+        help="a named recipe's flags first (later flags override): "
+        + "; ".join(f"{k}: {' '.join(v)}" for k, v in RECIPES.items()),
+    )
     p.add_argument("--method", default="ddp", help="ddp, local or diloco (or localH, dilocoH)")
     p.add_argument("--compare", default="", help="several runs, e.g. ddp,local8,local32,diloco")
     p.add_argument("--period", type=int, default=0, help="H (default 8; diloco 32)")
@@ -604,8 +623,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--mesh", default="2x4", help="nodes x devices per node, e.g. 2x4 or 1x1")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
-    if args.quick:
-        args = p.parse_args(QUICK + argv)
+    if args.quick or args.recipe:  # the recipe, then the CI sizes, then the given flags
+        args = p.parse_args(RECIPES.get(args.recipe, []) + (QUICK if args.quick else []) + argv)
     nodes, _, per_node = args.mesh.partition("x")
     if not (nodes.isdigit() and per_node.isdigit() and int(nodes) * int(per_node) > 0):
         p.error(f"--mesh must be NODESxDEVICES, e.g. 2x4, got {args.mesh!r}")

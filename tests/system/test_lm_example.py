@@ -141,6 +141,32 @@ def test_the_outer_step_ends_at_a_floor_or_cools_down_into_a_plain_average():
     assert not hasattr(plain, "hyperparams")  # no schedule: optax.sgd itself
 
 
+def test_the_slow_link_recipe_builds_the_measured_chain():
+    """--recipe slow-link: the flags of issue 29's winning runs (RESULTS.md part 8),
+    later flags overriding them, and the chain they build."""
+    lm = load_example("lm")
+    import jax.numpy as jnp
+
+    args = lm.parse_args(["--recipe", "slow-link", "--seed", "2"])
+    assert (args.compare, args.bits, args.warmup_bits, args.start) == ("diloco24", 8, 4, 150)
+    assert (args.outer_cooldown, args.outer_decay, args.steps, args.seed) == (0.3, False, 1500, 2)
+    method = lm.parse_method(args.compare, args.period, args.bits, args.delay)
+    tx = lm.tx_of_args(method, args, lm.outer_of_args(args, method))
+    hook, _, averaging = tx.init({"w": jnp.zeros((4, 64))})
+    assert (hook.start_localSGD_iter, hook.communication.bits, hook.communication.two_level) == (
+        150,
+        4,
+        True,
+    )
+    averager = averaging.averager
+    assert (averager.period, averager.warmup_steps, averager.communication.bits) == (24, 150, 8)
+    outer = averaging.outer_state.hyperparams
+    assert float(outer["momentum"]) == pytest.approx(0.9)  # diloco_outer, 57 outer steps
+    assert lm.outer_of_args(args, method)["outer_steps"] == 57
+    quick = lm.parse_args(["--recipe", "slow-link", "--quick"])  # CI sizes over the recipe
+    assert (quick.steps, quick.start, quick.compare) == (12, 4, "diloco24")
+
+
 def test_a_quantized_warm_up_quantizes_the_hook_only_and_not_ddp():
     lm = load_example("lm")
     import jax.numpy as jnp
