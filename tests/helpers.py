@@ -19,9 +19,9 @@ DATA = P(("node", "local"))
 ROOT = pathlib.Path(__file__).resolve().parents[1]  # the checkout
 
 
-def load_example(name):
-    """``examples/<name>.py`` imported as module ``name``."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+def load_example(name, folder="examples"):
+    """``<folder>/<name>.py`` (``examples`` by default) imported as module ``name``."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up while it loads
     spec.loader.exec_module(module)
