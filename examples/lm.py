@@ -429,7 +429,7 @@ class Setup:
 def outer_of_args(args: argparse.Namespace, method: Method) -> dict[str, Any]:
     """:func:`outer_options` from ``--outer-lr --outer-momentum --outer-decay
     --outer-floor --outer-cooldown`` (this script's and benchmarks/lm_link.py's)."""
-    scheduled = args.outer_decay or args.outer_cooldown
+    scheduled = (args.outer_decay or args.outer_cooldown) and method.kind == "diloco"
     decay = (args.steps, args.start, method.period) if scheduled else None
     return outer_options(
         args.outer_lr,

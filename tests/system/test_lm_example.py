@@ -163,6 +163,8 @@ def test_the_slow_link_recipe_builds_the_measured_chain():
     outer = averaging.outer_state.hyperparams
     assert float(outer["momentum"]) == pytest.approx(0.9)  # diloco_outer, 57 outer steps
     assert lm.outer_of_args(args, method)["outer_steps"] == 57
+    ddp = lm.parse_method("ddp")  # no outer step: the outer options stay plain
+    assert lm.outer_of_args(args, ddp) == lm.outer_options(0.7, 0.9)
     quick = lm.parse_args(["--recipe", "slow-link", "--quick"])  # CI sizes over the recipe
     assert (quick.steps, quick.start, quick.compare) == (12, 4, "diloco24")
 
