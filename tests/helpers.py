@@ -104,3 +104,23 @@ def train_step(tx, mesh, spec=DATA, loss=linear_loss, check_types=False):
         return unsqueeze(optax.apply_updates(params, updates)), unsqueeze(opt_state)
 
     return smap(body, mesh, (spec, spec, spec), (spec, spec))
+
+
+def isinstance_sites(classes, allowed_folders):
+    """``folder/module.py:line`` of every ``isinstance(x, <one of classes>)`` in the
+    package outside ``allowed_folders`` (class names, bare or as attributes)."""
+    import ast
+
+    package = ROOT / "lsgd_jax"
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package)
+        if rel.parts[0] in allowed_folders:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
+                names = {n.attr for n in ast.walk(node.args[1]) if isinstance(n, ast.Attribute)}
+                names |= {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+                if names & set(classes):
+                    found.append(f"{rel}:{node.lineno}")
+    return found
