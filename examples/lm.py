@@ -308,7 +308,7 @@ def parse_method(spec: str, period: int = 0, bits: int = 0, delay: int = 0) -> M
 def outer_options(
     lr: float,
     momentum: float,
-    decay: tuple[int, int, int] | None = None,
+    decay: tuple[int, int, Any] | None = None,
     *,
     floor: float = 0.0,
     cooldown: float = 0.0,
@@ -356,11 +356,14 @@ def make_tx(
     warmup: int,
     outer: dict[str, Any] | None = None,
     warmup_bits: int = 0,
+    final: tuple[int, int] | None = None,
 ) -> Any:
     """The optax chain of a method: hook, AdamW (warm-up, cosine decay), averager
     (DiLoCo's outer step: ``optax.sgd(**outer)``, default :data:`DILOCO_OUTER`).
     ``warmup_bits`` (8 or 4; not DDP): the hook's global gradient means before the
-    switch quantized, two-level, with error feedback in the hook's state."""
+    switch quantized, two-level, with error feedback in the hook's state. ``final=(period,
+    steps)``: the averages come every ``period`` steps over the run's last ``steps``
+    (:func:`averaging_period`)."""
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1))
     adamw = optax.adamw(schedule, b2=0.99, weight_decay=0.1)
     if method.kind == "ddp":  # the hook never switches: a global gradient mean every step
@@ -370,15 +373,32 @@ def make_tx(
         options["communication"] = lsgd_jax.comm.quantized(method.bits, two_level=True)
     if method.kind == "diloco":
         options["outer_optimizer"] = outer_optimizer(outer or DILOCO_OUTER)
-    averager = lsgd_jax.PeriodicModelAverager(method.period, warmup_steps=start, **options)
+    period = averaging_period(method.period, steps, final)
+    averager = lsgd_jax.PeriodicModelAverager(period, warmup_steps=start, **options)
     means = lsgd_jax.comm.quantized(warmup_bits, two_level=True) if warmup_bits else None
     hook = lsgd_jax.post_local_sgd(start, communication=means)
     return optax.chain(hook, adamw, lsgd_jax.model_averaging(averager))
 
 
+def averaging_period(period: int, steps: int, final: tuple[int, int] | None) -> Any:
+    """The averager's period: ``period``, or with ``final=(final_period, final_steps)``
+    a schedule that averages every ``final_period`` steps over the run's last
+    ``final_steps`` (``jnp.where(step < steps - final_steps, period, final_period)``)."""
+    if not final or not final[1]:
+        return period
+    final_period, final_steps = final
+    return lambda step: jnp.where(step < steps - final_steps, period, final_period)
+
+
+def final_of_args(args: Any) -> tuple[int, int] | None:
+    """``--final-period --final-steps`` as :func:`make_tx`'s ``final`` (None: unset)."""
+    return (args.final_period, args.final_steps) if args.final_steps else None
+
+
 def tx_of_args(method: Method, args: Any, outer: dict[str, Any] | None) -> Any:
     """:func:`make_tx` from the command line's ``--steps --start --lr --warmup
-    --warmup-bits`` (this script's and benchmarks/lm_link.py's)."""
+    --warmup-bits --final-period --final-steps`` (this script's and
+    benchmarks/lm_link.py's)."""
     return make_tx(
         method,
         steps=args.steps,
@@ -387,6 +407,7 @@ def tx_of_args(method: Method, args: Any, outer: dict[str, Any] | None) -> Any:
         warmup=args.warmup,
         outer=outer,
         warmup_bits=args.warmup_bits,
+        final=final_of_args(args),
     )
 
 
@@ -430,7 +451,8 @@ def outer_of_args(args: argparse.Namespace, method: Method) -> dict[str, Any]:
     """:func:`outer_options` from ``--outer-lr --outer-momentum --outer-decay
     --outer-floor --outer-cooldown`` (this script's and benchmarks/lm_link.py's)."""
     scheduled = (args.outer_decay or args.outer_cooldown) and method.kind == "diloco"
-    decay = (args.steps, args.start, method.period) if scheduled else None
+    period = averaging_period(method.period, args.steps, final_of_args(args))
+    decay = (args.steps, args.start, period) if scheduled else None
     return outer_options(
         args.outer_lr,
         args.outer_momentum,
@@ -595,6 +617,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0.0,
         help="instead of --outer-decay: over this last fraction of the outer steps the outer"
         " step turns linearly into a plain average (learning rate 1, no momentum)",
+    )
+    p.add_argument(
+        "--final-period",
+        type=int,
+        default=8,
+        help="with --final-steps: the period of the averages over the run's last steps",
+    )
+    p.add_argument(
+        "--final-steps", type=int, default=0, help="the run's last steps at --final-period"
     )
     p.add_argument("--warmup", type=int, default=50, help="learning-rate warm-up steps")
     p.add_argument(

@@ -22,33 +22,43 @@ averages at H=24, the same bytes).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from lsgd_jax._core import _validate
+from lsgd_jax.schedules._schedule import AdaptiveSchedule
 
 
-def num_outer_steps(num_steps: int, warmup_steps: int, period: int) -> int:
-    """How many outer steps a ``PeriodicModelAverager(period, warmup_steps)`` takes in
-    a run of ``num_steps``: one at the switch, then one every ``period`` steps.
+def num_outer_steps(num_steps: int, warmup_steps: int, period: int | Callable) -> int:
+    """How many global averages a ``PeriodicModelAverager(period, warmup_steps)`` takes
+    in a run of ``num_steps``: one at the switch, then one every ``period`` steps (a
+    callable period, ``period(step)``: the schedule replayed on the host).
 
     Args:
       num_steps: the run's steps (optimizer updates).
       warmup_steps: the averager's ``warmup_steps`` (the hook's switch).
-      period: the averager's period.
+      period: the averager's period, an int or a jit-able ``period(step) -> int``.
 
     Returns:
-      ``ceil((num_steps - warmup_steps) / period)``, at least 1.
+      ``ceil((num_steps - warmup_steps) / period)`` for an int, at least 1.
 
     Example:
+      >>> import jax.numpy as jnp
       >>> from lsgd_jax.averaging import num_outer_steps
       >>> num_outer_steps(1500, 150, 24)
       57
+      >>> num_outer_steps(1500, 150, lambda s: jnp.where(s < 1200, 24, 12))  # 44 + 25
+      69
     """
     num_steps = _validate.positive_int(num_steps, "num_outer_steps: num_steps")
     warmup_steps = _validate.nonnegative_int(warmup_steps, "num_outer_steps: warmup_steps")
+    if callable(period):
+        replayed = AdaptiveSchedule(period, warmup_steps).replay(num_steps)
+        return max(1, int(np.count_nonzero(replayed)))
     period = _validate.positive_int(period, "num_outer_steps: period")
     return max(1, math.ceil((num_steps - warmup_steps) / period))
 

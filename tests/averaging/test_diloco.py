@@ -14,6 +14,10 @@ def test_num_outer_steps_counts_the_switch_and_every_period_after_it():
     assert num_outer_steps(1500, 150, 24) == 57  # 150, 174, ..., 1494
     assert len(range(150, 1500, 24)) == 57
     assert num_outer_steps(10, 10, 4) == 1  # at least one
+    # a callable period: the schedule replayed (averages at 150, ..., 1182, then 1200, 1212, ...)
+    shrinking = lambda s: jnp.where(s < 1200, 24, 12)  # noqa: E731
+    assert num_outer_steps(1500, 150, shrinking) == 44 + 25
+    assert num_outer_steps(1500, 150, lambda s: 24 + 0 * s) == 57
     with pytest.raises(ValueError, match="period must be a positive int, got 0"):
         num_outer_steps(100, 10, 0)
 

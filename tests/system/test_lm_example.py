@@ -165,6 +165,13 @@ def test_the_slow_link_recipe_builds_the_measured_chain():
     assert lm.outer_of_args(args, method)["outer_steps"] == 57
     ddp = lm.parse_method("ddp")  # no outer step: the outer options stay plain
     assert lm.outer_of_args(args, ddp) == lm.outer_options(0.7, 0.9)
+    # --final-period 12 --final-steps 300: every 12 steps over the last 300, and the
+    # cool-down counts those averages (44 at H=24 from 150 to 1182, then 25)
+    final = lm.parse_args(["--recipe", "slow-link", "--final-period", "12", "--final-steps", "300"])
+    assert lm.outer_of_args(final, method)["outer_steps"] == 69
+    period = lm.averaging_period(24, 1500, lm.final_of_args(final))
+    assert [int(period(s)) for s in (0, 1199, 1200, 1499)] == [24, 24, 12, 12]
+    assert lm.averaging_period(24, 1500, None) == 24
     quick = lm.parse_args(["--recipe", "slow-link", "--quick"])  # CI sizes over the recipe
     assert (quick.steps, quick.start, quick.compare) == (12, 4, "diloco24")
 
