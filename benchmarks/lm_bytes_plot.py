@@ -8,8 +8,8 @@ Each file holds a list of run records (``lm.py --json``); each run is one line, 
         "slow-link recipe=benchmarks/results/issue29/r6_q8w4_d24_s150_cool03.json"
 
 A dashed horizontal line marks the first run's final loss (DDP's, the target), and each
-run's last point is annotated with DDP's bytes over its own (the first run's bytes over
-the whole run divided by this run's).
+run's legend entry gives its final loss and its share of the first run's bytes over the
+whole run.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ def plot(runs: list[tuple[str, dict[str, Any]]], out: str) -> None:
         shown = [i for i, s in enumerate(steps) if s > 0]  # log x: no step 0
         (line,) = ax.plot([mb[i] for i in shown], [loss[i] for i in shown], "o-", ms=3)
         ratio = total / record["cross_node_bytes"] if record["cross_node_bytes"] else float("inf")
-        line.set_label(f"{label}: {loss[-1]:.4f}, 1/{ratio:.0f} of the bytes")
-        ax.annotate(f"1/{ratio:.0f}", (mb[-1], loss[-1]), textcoords="offset points", xytext=(4, 4))
+        share = f"1/{ratio:.0f}" if ratio >= 10 else f"1/{ratio:.2g}"
+        line.set_label(f"{label}: {loss[-1]:.4f}, {share} of the bytes")
     ax.axhline(reference["val_loss"], color="gray", ls="--", lw=0.8)
     ax.set_xscale("log")
     ax.set_xlabel("cross-node MB per device (log scale)")
