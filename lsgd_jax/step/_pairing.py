@@ -85,7 +85,7 @@ def check_configuration(opt_state: Any, *, check_order: bool = True) -> None:
       ...
       ValueError: post_local_sgd must come first in the optax.chain, but it sits at position 1 ...
     """
-    nodes = sp.states(opt_state)
+    nodes: list[Any] = sp.states(opt_state)  # hooks' and averagers' states
     hooks = [(i, x) for i, x in enumerate(nodes) if x.KIND == sp.HOOK]
     averagers = [
         (i, x.averager)

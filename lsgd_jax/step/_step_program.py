@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +54,7 @@ def averager_states(opt_state: Any) -> list[ModelAveragerState]:
       >>> [s.averager.period for s in lsgd_jax.averager_states(tx.init({}))]
       [4]
     """
-    return sp.states(opt_state, sp.AVERAGER)
+    return cast(list[ModelAveragerState], sp.states(opt_state, sp.AVERAGER))
 
 
 def check_optimizer(opt_state: Any, check_order: bool = True) -> None:
