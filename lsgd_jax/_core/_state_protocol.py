@@ -174,8 +174,8 @@ def states(tree: Any, kind: str | None = None) -> list[PhasedState]:
       >>> [s.KIND for s in sp.states(tx.init({}))], len(sp.states(tx.init({}), sp.HOOK))
       (['hook', 'averager'], 1)
     """
-    found = [x for x in jax.tree.leaves(tree, is_leaf=is_state) if is_state(x)]
-    return found if kind is None else [x for x in found if x.KIND == kind]
+    wanted = is_state if kind is None else (lambda x: is_kind(x, kind))
+    return [x for x in jax.tree.leaves(tree, is_leaf=is_state) if wanted(x)]
 
 
 def leaf_roles(tree: Any) -> list[str | None]:
