@@ -157,9 +157,11 @@ def test_a_job_resumes_on_fewer_processes_and_after_the_coordinator_died(job_b):
         back = next(i for i in range(1, len(mine)) if mine[i] <= mine[i - 1])
         first, second = mine[:back], mine[back:]
         assert first == list(range(6, 6 + len(first))) and first[-1] >= 8, mine
-        # The restarted job resumed at its newest checkpoint (8, or 10 if it was saved
-        # before the coordinator's death was noticed).
-        assert second[0] in (8, 10) and second[0] <= first[-1] + 1, mine
+        # The restarted job resumed at its newest finalized checkpoint: 8; 10 if it was
+        # saved before the coordinator's death was noticed; 6 if 8's writer (a child
+        # process, never waited for inside a step) had not finished when the job was
+        # restarted (seen once in CI, under load).
+        assert second[0] in (6, 8, 10) and second[0] <= first[-1] + 1, mine
         assert second == list(range(second[0], 12)), mine
         assert f"resuming at step {second[0]} from checkpoint" in out
     one_model(records, [0, 1], out)
