@@ -194,6 +194,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--outer-cooldown", type=float, default=0.0, help="as examples/lm.py's")
     ap.add_argument("--final-period", type=int, default=8, help="as examples/lm.py's")
     ap.add_argument("--final-steps", type=int, default=0, help="as examples/lm.py's")
+    ap.add_argument("--qsr", type=float, default=0.0, help="as examples/lm.py's")
     ap.add_argument("--warmup-bits", type=int, default=0, choices=[0, 4, 8], help="as lm.py's")
     ap.add_argument("--global-batch", type=int, default=32, help="sequences, over all replicas")
     ap.add_argument("--layers", type=int, default=2)

@@ -357,13 +357,14 @@ def make_tx(
     outer: dict[str, Any] | None = None,
     warmup_bits: int = 0,
     final: tuple[int, int] | None = None,
+    qsr: float = 0.0,
 ) -> Any:
     """The optax chain of a method: hook, AdamW (warm-up, cosine decay), averager
     (DiLoCo's outer step: ``optax.sgd(**outer)``, default :data:`DILOCO_OUTER`).
     ``warmup_bits`` (8 or 4; not DDP): the hook's global gradient means before the
     switch quantized, two-level, with error feedback in the hook's state. ``final=(period,
-    steps)``: the averages come every ``period`` steps over the run's last ``steps``
-    (:func:`averaging_period`)."""
+    steps)``: the averages come every ``period`` steps over the run's last ``steps``;
+    ``qsr``: the period grows as the learning rate decays (:func:`averaging_period`)."""
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1))
     adamw = optax.adamw(schedule, b2=0.99, weight_decay=0.1)
     if method.kind == "ddp":  # the hook never switches: a global gradient mean every step
@@ -373,17 +374,38 @@ def make_tx(
         options["communication"] = lsgd_jax.comm.quantized(method.bits, two_level=True)
     if method.kind == "diloco":
         options["outer_optimizer"] = outer_optimizer(outer or DILOCO_OUTER)
-    period = averaging_period(method.period, steps, final)
+    period = averaging_period(method.period, steps, final, qsr, warmup)
     averager = lsgd_jax.PeriodicModelAverager(period, warmup_steps=start, **options)
     means = lsgd_jax.comm.quantized(warmup_bits, two_level=True) if warmup_bits else None
     hook = lsgd_jax.post_local_sgd(start, communication=means)
     return optax.chain(hook, adamw, lsgd_jax.model_averaging(averager))
 
 
-def averaging_period(period: int, steps: int, final: tuple[int, int] | None) -> Any:
+def averaging_period(
+    period: int,
+    steps: int,
+    final: tuple[int, int] | None,
+    qsr: float = 0.0,
+    warmup: int = 0,
+) -> Any:
     """The averager's period: ``period``, or with ``final=(final_period, final_steps)``
     a schedule that averages every ``final_period`` steps over the run's last
-    ``final_steps`` (``jnp.where(step < steps - final_steps, period, final_period)``)."""
+    ``final_steps`` (``jnp.where(step < steps - final_steps, period, final_period)``).
+
+    ``qsr`` (> 0): the quadratic synchronization rule (Gu et al., ICLR 2024): the period
+    grows as the inner learning rate ``lr(step)`` decays, ``max(period, qsr / r**2)``
+    with ``r = lr(step) / peak`` (this script's warm-up and cosine, ``warmup`` steps),
+    and the run's last step averages (so the model evaluated is an average the ledger
+    counted, not a free one)."""
+    if qsr:
+        shape = optax.warmup_cosine_decay_schedule(0.0, 1.0, warmup, max(steps, warmup + 1))
+
+        def quadratic(step: Any) -> Any:
+            r2 = jnp.maximum(jnp.square(shape(step)), 1e-12)
+            grown = jnp.clip(jnp.floor(qsr / r2), period, 2**30).astype(jnp.int32)
+            return jnp.where(step >= steps - 1, 1, grown)
+
+        return quadratic
     if not final or not final[1]:
         return period
     final_period, final_steps = final
@@ -408,6 +430,7 @@ def tx_of_args(method: Method, args: Any, outer: dict[str, Any] | None) -> Any:
         outer=outer,
         warmup_bits=args.warmup_bits,
         final=final_of_args(args),
+        qsr=getattr(args, "qsr", 0.0),
     )
 
 
@@ -451,7 +474,9 @@ def outer_of_args(args: argparse.Namespace, method: Method) -> dict[str, Any]:
     """:func:`outer_options` from ``--outer-lr --outer-momentum --outer-decay
     --outer-floor --outer-cooldown`` (this script's and benchmarks/lm_link.py's)."""
     scheduled = (args.outer_decay or args.outer_cooldown) and method.kind == "diloco"
-    period = averaging_period(method.period, args.steps, final_of_args(args))
+    period = averaging_period(
+        method.period, args.steps, final_of_args(args), getattr(args, "qsr", 0.0), args.warmup
+    )
     decay = (args.steps, args.start, period) if scheduled else None
     return outer_options(
         args.outer_lr,
@@ -626,6 +651,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--final-steps", type=int, default=0, help="the run's last steps at --final-period"
+    )
+    p.add_argument(
+        "--qsr",
+        type=float,
+        default=0.0,
+        help="the period grows as the learning rate decays: max(H, QSR / (lr/peak)**2),"
+        " and the last step averages (quadratic synchronization rule)",
     )
     p.add_argument("--warmup", type=int, default=50, help="learning-rate warm-up steps")
     p.add_argument(

@@ -172,6 +172,19 @@ def test_the_slow_link_recipe_builds_the_measured_chain():
     period = lm.averaging_period(24, 1500, lm.final_of_args(final))
     assert [int(period(s)) for s in (0, 1199, 1200, 1499)] == [24, 24, 12, 12]
     assert lm.averaging_period(24, 1500, None) == 24
+    # --qsr: the period grows as the learning rate decays (max(24, QSR / r**2), r the
+    # warm-up-and-cosine learning rate over its peak) and the last step averages.
+    qsr = lm.averaging_period(24, 1500, None, 1.5, 50)
+    r2 = lambda s: (0.5 * (1 + np.cos(np.pi * (s - 50) / 1450))) ** 2  # noqa: E731
+    for s in (100, 775, 1000, 1200):
+        assert int(qsr(s)) == max(24, int(np.floor(1.5 / r2(s)))), s
+    assert int(qsr(1498)) == 2**30 and int(qsr(1499)) == 1
+    grown = lm.parse_args(["--recipe", "slow-link", "--qsr", "1.5"])
+    assert lm.outer_of_args(grown, method)["outer_steps"] == 40  # 57 at H=24
+    import lsgd_jax
+
+    schedule = lsgd_jax.PeriodicModelAverager(qsr, warmup_steps=150).schedule(1500)
+    assert 1499 in np.flatnonzero(schedule) and np.count_nonzero(schedule) == 40
     quick = lm.parse_args(["--recipe", "slow-link", "--quick"])  # CI sizes over the recipe
     assert (quick.steps, quick.start, quick.compare) == (12, 4, "diloco24")
 
