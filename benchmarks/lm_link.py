@@ -91,8 +91,12 @@ def worker(args) -> None:
 
         params = lsgd_jax.replicate(params0, mesh)
         opt_state = lsgd_jax.replicate(tx.init(params0), mesh)
-        compiled = step.compile(params, opt_state, batch(0), num_steps=args.steps)
-        say(f"{method.name}: compiled {len(compiled)} programs")
+        # the ledger is the compile training uses; its node-link bytes are what the
+        # veths should carry (less framing)
+        ledger = lsgd_jax.communication_ledger(
+            step, params, opt_state, batch(0), num_steps=args.steps
+        )
+        say(f"{method.name}: compiled {len(ledger.phases)} programs")
 
         def val_loss(p, graphdef=graphdef):
             return float(lm.evaluate(graphdef, lsgd_jax.consensus(p), val))
@@ -112,7 +116,7 @@ def worker(args) -> None:
                     f"{sum(times):.1f} s of steps")  # fmt: skip
         out["runs"].append(
             {"method": method.name, "step_s": times, "loss": losses, "evals": evals,
-             "tx_bytes": tx_bytes() - before}
+             "tx_bytes": tx_bytes() - before, "ledger_link_bytes": ledger.link_total()}
         )  # fmt: skip
     with open(os.path.join(args.out, f"worker{me}.json"), "w") as f:
         json.dump(out, f)
@@ -145,6 +149,7 @@ def summarize(workers: list[dict], target: float | None) -> list[dict]:
                 "median_step_s": statistics.median(run["step_s"]),
                 "steps_s": sum(run["step_s"]),
                 "link_bytes": sum(w["runs"][i]["tx_bytes"] for w in workers),
+                "ledger_link_bytes": run.get("ledger_link_bytes"),
                 "step_s": run["step_s"],
             }
         )
@@ -163,16 +168,19 @@ def markdown(rows: list[dict], command: str, rate: str) -> str:
         "",
         f"Link {rate}; target validation loss {ddp['target']:.4f} (checked every evaluation).",
         "",
-        "| run | val loss | gap | median step (ms) | steps (s) | link MB | "
-        "steps to target | time to target (s) | speedup |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| run | val loss | gap | median step (ms) | steps (s) | link MB | ledger's link MB "
+        "| DDP's link bytes / this | steps to target | time to target (s) | speedup |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         t, d = r["time_to_target_s"], ddp["time_to_target_s"]
+        led = r.get("ledger_link_bytes")
+        ledger_mb = f"{led / 1e6:,.1f}" if led is not None else "-"
         lines.append(
             f"| {r['method']} | {r['val_loss']:.4f} | {r['val_loss'] - ddp['val_loss']:+.4f} "
             f"| {r['median_step_s'] * 1e3:,.0f} | {r['steps_s']:.1f} "
-            f"| {r['link_bytes'] / 1e6:,.1f} | {r['steps_to_target'] or '-'} "
+            f"| {r['link_bytes'] / 1e6:,.1f} | {ledger_mb} "
+            f"| {ddp['link_bytes'] / max(r['link_bytes'], 1):,.1f} | {r['steps_to_target'] or '-'} "
             f"| {f'{t:.1f}' if t is not None else 'not reached'} "
             f"| {f'{d / t:.2f}' if t and d else '-'} |"
         )

@@ -503,6 +503,7 @@ def train(method: Method, setup: Setup, progress: bool = True) -> dict[str, Any]
     val_loss = lambda p: float(evaluate(graphdef, lsgd_jax.consensus(p), val))  # noqa: E731
     evals, losses, seconds = [(0, val_loss(params))], [], []
     across = np.cumsum(ledger.per_step("across"))
+    link = np.cumsum(ledger.link_per_step())
     for s in tqdm(range(a.steps), desc=method.name, disable=not progress):
         t0 = time.perf_counter()
         params, opt_state, loss = step(params, opt_state, next(data))
@@ -511,14 +512,20 @@ def train(method: Method, setup: Setup, progress: bool = True) -> dict[str, Any]
         if (s + 1) % a.eval_every == 0 or s + 1 == a.steps:
             evals.append((s + 1, val_loss(params)))
             if a.json:  # as it goes: a run cut short keeps its evaluations
-                write_progress(a.json, method.name, s + 1, evals[-1][1], int(across[s]))
+                write_progress(
+                    a.json, method.name, s + 1, evals[-1][1], int(across[s]), int(link[s])
+                )
     return make_record(method, ledger, losses, seconds, evals, a, params0)
 
 
-def write_progress(path: str, method: str, step: int, val_loss: float, across: int) -> None:
+def write_progress(
+    path: str, method: str, step: int, val_loss: float, across: int, link: int = 0
+) -> None:
     """Appends one evaluation to ``<path>.progress.jsonl`` (a line of JSON: the method,
-    the step, the validation loss, the cross-node bytes per device so far)."""
+    the step, the validation loss, the cross-node bytes per device so far and the bytes
+    on the node links so far, every device together)."""
     line = {"method": method, "step": step, "val_loss": val_loss, "cross_node_bytes": across}
+    line["node_link_bytes"] = link
     with open(f"{path}.progress.jsonl", "a") as f:
         f.write(json.dumps(line) + "\n")
 
@@ -548,6 +555,9 @@ def make_record(
         "val_loss": evals[-1][1],
         "train_loss": losses[-1],
         "cross_node_bytes": int(across[-1]),
+        # every device together, as the nodes' network interfaces count them (a flat
+        # ring crosses nodes at a few hops; a two-level exchange sends every share)
+        "node_link_bytes": ledger.link_total(),
         "compute_s_per_step": compute,
         "peak_device_bytes": peak_device_bytes(),
         "emulated_s": float(emulated[-1]),

@@ -41,6 +41,64 @@ def crosses_nodes(collective: Any, inner_axes: tuple[str, ...]) -> bool:
     return any(a not in inner_axes for a in collective.axes)
 
 
+def link_bytes(collective: Any, node_of: Any) -> int:
+    """Bytes ``collective`` puts on the links between nodes, every device together
+    (both directions), for ring algorithms with each group's devices in node order.
+
+    A ring over a group whose devices sit in ``k > 1`` nodes crosses ``k`` node
+    boundaries, each hop carrying one device's wire bytes (all-reduce, all-gather,
+    reduce-scatter, permute); an all-to-all sends ``bytes / g`` from each device to
+    each member of its group, and counts what goes to members in other nodes. So a flat
+    all-reduce over 2 nodes of 4 devices puts ``2 x`` its per-device wire bytes on the
+    link, not ``8 x``: most of its ring stays inside the nodes. Groups unknown (no
+    replica groups): every device's wire bytes (an upper bound).
+
+    Args:
+      collective: a :class:`~lsgd_jax.Collective`.
+      node_of: a device position in the mesh -> its node (any hashable).
+
+    Returns:
+      The bytes crossing node boundaries per call, summed over devices.
+
+    Example:
+      >>> from lsgd_jax import Collective
+      >>> from lsgd_jax.step._ledger import link_bytes
+      >>> flat = Collective("all-reduce", 8, 1, ("node", "local"), 800, False, "ar", "f",
+      ...                   "", (tuple(range(8)),))
+      >>> link_bytes(flat, lambda p: p // 4)   # 2 crossings of 2 * 7 / 8 * 800 bytes
+      2800
+    """
+    groups = collective.replica_groups
+    if not groups:
+        return collective.wire_bytes * max(collective.group_size, 1) * collective.num_groups
+    total = 0
+    for group in groups:
+        nodes = [node_of(p) for p in group]
+        if len(set(nodes)) < 2:
+            continue
+        if collective.kind in ("all-to-all", "ragged-all-to-all"):
+            share = collective.bytes / len(group)
+            total += sum(share * sum(m != n for m in nodes) for n in nodes)
+        else:
+            total += len(set(nodes)) * collective.wire_bytes
+    return round(total)
+
+
+def mesh_nodes(mesh: Any, inner_axes: tuple[str, ...]) -> Any:
+    """``position -> node`` for ``mesh``: a device's coordinates on the axes that are
+    not ``inner_axes`` (positions are row-major indices into ``mesh.devices``)."""
+    if mesh is None:
+        return lambda p: p
+    shape = tuple(mesh.devices.shape)
+    outer = [i for i, a in enumerate(mesh.axis_names) if a not in inner_axes]
+
+    def node_of(position: int) -> tuple[int, ...]:
+        coords = np.unravel_index(position, shape)
+        return tuple(int(coords[i]) for i in outer)
+
+    return node_of
+
+
 @dataclasses.dataclass(frozen=True)
 class PhaseBytes:
     """What one phase's program sends, per device and call.
@@ -54,6 +112,8 @@ class PhaseBytes:
       across_count: how many collectives span nodes (on a slow link each one costs a
         latency, whatever its size).
       inside_count: how many stay inside a node.
+      link: bytes on the links between nodes, every device together
+        (:func:`link_bytes`): what a node's network interfaces carry, less framing.
     """
 
     report: CommunicationReport
@@ -63,13 +123,17 @@ class PhaseBytes:
     inside_wire: int
     across_count: int = 0
     inside_count: int = 0
+    link: int = 0
 
     @classmethod
-    def of(cls, report: CommunicationReport, inner_axes: tuple[str, ...]) -> PhaseBytes:
+    def of(
+        cls, report: CommunicationReport, inner_axes: tuple[str, ...], node_of: Any = None
+    ) -> PhaseBytes:
         """Totals of ``report``'s collectives, split at the node boundary; the one-time
         copy of a common anchor (scope ``common_anchor``: ``delta`` and an outer step
         without ``outer_skip_first``, until each fragment's first global average) is
-        left out."""
+        left out. ``node_of`` (a device position -> its node) gives ``link``; without
+        it ``link`` counts every crossing collective's wire bytes on every device."""
         report = CommunicationReport(c for c in report if "common_anchor" not in c.scope)
         cross = [crosses_nodes(c, inner_axes) for c in report]
         return cls(
@@ -80,6 +144,7 @@ class PhaseBytes:
             sum(c.wire_bytes for c, x in zip(report, cross) if not x),
             sum(cross),
             len(cross) - sum(cross),
+            sum(link_bytes(c, node_of or (lambda p: p)) for c, x in zip(report, cross) if x),
         )
 
 
@@ -126,9 +191,22 @@ class Ledger:
         """Bytes per device over the whole run (see :meth:`per_step`)."""
         return int(self.per_step(where, wire).sum())
 
+    def link_per_step(self) -> np.ndarray:
+        """Bytes on the links between nodes in each step, every device together (both
+        directions; ring algorithms, :func:`link_bytes`): what the nodes' network
+        interfaces carry, less framing. Unlike :meth:`per_step`, not per device: a flat
+        all-reduce's ring crosses the node boundary at a few hops only, while a
+        two-level exchange sends every device's share across."""
+        return np.array([self.phases[k].link for k in self.steps], np.int64)
+
+    def link_total(self) -> int:
+        """Bytes on the links between nodes over the whole run (:meth:`link_per_step`)."""
+        return int(self.link_per_step().sum())
+
     def __str__(self) -> str:
         counts = {k: self.steps.count(k) for k in self.phases}
-        head = ("program", "steps", "across/step", "wire across/step", "inside/step", "ops across")
+        head = ("program", "steps", "across/step", "wire across/step", "inside/step")
+        head += ("ops across", "node links/step")
         rows = [head] + [
             (
                 str(k),
@@ -137,6 +215,7 @@ class Ledger:
                 f"{v.across_wire:,}",
                 f"{v.inside:,}",
                 str(v.across_count),
+                f"{v.link:,}",
             )
             for k, v in self.phases.items()
         ]
@@ -148,6 +227,7 @@ class Ledger:
                 f"{self.total(wire=True):,}",
                 f"{self.total('inside'):,}",
                 f"{int(self.collectives().sum()):,}",
+                f"{self.link_total():,}",
             )
         )
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
@@ -196,7 +276,9 @@ def communication_ledger(
       inner_axes: the mesh axis (or axes) of one node's devices.
 
     Returns:
-      A :class:`Ledger`: ``ledger.per_step()``, ``ledger.total()``, ``print(ledger)``.
+      A :class:`Ledger`: ``ledger.per_step()``, ``ledger.total()``, ``print(ledger)``;
+      ``ledger.link_total()`` for the bytes on the links between nodes (every device
+      together, as a node's network interface counts them).
 
     Example:
       >>> import jax.numpy as jnp, optax, lsgd_jax
@@ -230,5 +312,8 @@ def communication_ledger(
         programs = [(k, step._program(k).lower(*jit_args).compile()) for k in dict.fromkeys(plan)]
     else:
         programs = step.programs_of(*args, num_steps=num_steps)
-    phases = {k: PhaseBytes.of(parse_hlo(c.as_text(), mesh=mesh), inner) for k, c in programs}
+    node_of = mesh_nodes(mesh, inner)
+    phases = {
+        k: PhaseBytes.of(parse_hlo(c.as_text(), mesh=mesh), inner, node_of) for k, c in programs
+    }
     return Ledger(phases, tuple(plan), inner, exact=not (one_program and skips))

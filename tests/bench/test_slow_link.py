@@ -295,6 +295,9 @@ def test_lm_link_times_the_steps_up_to_the_first_evaluation_at_the_target():
     assert (ddp["steps_to_target"], local["steps_to_target"]) == (4, 6)
     table = ll.markdown([ddp, local], "cmd", "100mbit")
     assert "| local2 | 2.4500 | +0.0500 |" in table and "| 1.67 |" in table  # 10 s / 6 s
+    assert "| 0.0 | - | 25.0 |" in table  # 12 B on the veths, no ledger: 300 / 12
+    workers[0]["runs"][1]["ledger_link_bytes"] = 11_000_000
+    assert "| 11.0 | 25.0 |" in ll.markdown(ll.summarize(workers, 2.5), "cmd", "100mbit")
 
 
 def test_lm_link_arguments():

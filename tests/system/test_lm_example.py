@@ -73,6 +73,9 @@ def test_cross_node_bytes_fall_by_the_period(records):
         link = r["emulated_s"] - STEPS * r["compute_s_per_step"]
         assert link > 8 * r["cross_node_bytes"] / (r["link_mbit"] * 1e6) - 1e-9
     assert records["ddp"]["params"] == local["params"] > 10_000
+    # bytes on the node links (every device together): fewer averages, fewer bits
+    quantized = records[f"diloco{H}:bits4:delay1"]
+    assert ddp["node_link_bytes"] > local["node_link_bytes"] > quantized["node_link_bytes"] > 0
 
 
 def test_split_is_deterministic_and_held_out():
