@@ -1,5 +1,8 @@
 """Validation loss against cross-node bytes (log scale) from ``examples/lm.py --json`` files.
 
+The bytes are those on the links between nodes (every device together, the ledger's
+``link_total``) when every record has them, else the cross-node bytes per device.
+
 Each file holds a list of run records (``lm.py --json``); each run is one line, labelled
 ``LABEL=path`` on the command line or by its method name::
 
@@ -45,19 +48,29 @@ def plot(runs: list[tuple[str, dict[str, Any]]], out: str) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4.8))
     reference = runs[0][1]
-    total = reference["cross_node_bytes"]
+    link = all("eval_node_link_bytes" in r["history"] for _, r in runs)
+    series, key = (
+        ("eval_node_link_bytes", "node_link_bytes")
+        if link
+        else ("eval_cross_node_bytes", "cross_node_bytes")
+    )
+    total = reference[key]
     for label, record in runs:
         h = record["history"]
-        mb = [max(b, 1) / 1e6 for b in h["eval_cross_node_bytes"]]
+        mb = [max(b, 1) / 1e6 for b in h[series]]
         steps, loss = h["eval_step"], h["val_loss"]
         shown = [i for i, s in enumerate(steps) if s > 0]  # log x: no step 0
         (line,) = ax.plot([mb[i] for i in shown], [loss[i] for i in shown], "o-", ms=3)
-        ratio = total / record["cross_node_bytes"] if record["cross_node_bytes"] else float("inf")
+        ratio = total / record[key] if record[key] else float("inf")
         share = f"1/{ratio:.0f}" if ratio >= 10 else f"1/{ratio:.2g}"
         line.set_label(f"{label}: {loss[-1]:.4f}, {share} of the bytes")
     ax.axhline(reference["val_loss"], color="gray", ls="--", lw=0.8)
     ax.set_xscale("log")
-    ax.set_xlabel("cross-node MB per device (log scale)")
+    ax.set_xlabel(
+        "MB on the links between nodes, all devices (log scale)"
+        if link
+        else "cross-node MB per device (log scale)"
+    )
     ax.set_ylabel("validation loss (nats per byte)")
     ax.set_ylim(top=min(2.4, ax.get_ylim()[1]))
     ax.grid(alpha=0.3, which="both")

@@ -35,6 +35,14 @@ def test_it_plots_labelled_runs_and_names_a_bad_file(tmp_path):
     out = tmp_path / "plot.png"
     script.main([f"DDP={tmp_path / 'ddp.json'}", str(tmp_path / "r.json"), "--out", str(out)])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # with node-link bytes on every record, the x axis is theirs
+    linked = [record("ddp", 10_000_000, [5.0, 2.0, 1.5]), record("r", 100_000, [5.0, 2.2, 1.4])]
+    for r, total in zip(linked, (40_000_000, 400_000)):
+        r["node_link_bytes"] = total
+        r["history"]["eval_node_link_bytes"] = [0, total // 2, total]
+    (tmp_path / "linked.json").write_text(json.dumps(linked))
+    script.main([str(tmp_path / "linked.json"), "--out", str(out)])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (tmp_path / "bad.json").write_text(json.dumps([{"method": "ddp"}]))
     with pytest.raises(ValueError, match="without a history"):
         script.load([str(tmp_path / "bad.json")])

@@ -76,6 +76,8 @@ def test_cross_node_bytes_fall_by_the_period(records):
     # bytes on the node links (every device together): fewer averages, fewer bits
     quantized = records[f"diloco{H}:bits4:delay1"]
     assert ddp["node_link_bytes"] > local["node_link_bytes"] > quantized["node_link_bytes"] > 0
+    for r in records.values():
+        assert r["history"]["eval_node_link_bytes"][-1] == r["node_link_bytes"]
 
 
 def test_split_is_deterministic_and_held_out():
@@ -151,26 +153,29 @@ def test_the_slow_link_recipe_builds_the_measured_chain():
     import jax.numpy as jnp
 
     args = lm.parse_args(["--recipe", "slow-link", "--seed", "2"])
-    assert (args.compare, args.bits, args.warmup_bits, args.start) == ("diloco24", 8, 4, 150)
+    assert (args.compare, args.bits, args.warmup_bits, args.start) == ("diloco32", 8, 4, 100)
     assert (args.outer_cooldown, args.outer_decay, args.steps, args.seed) == (0.3, False, 1500, 2)
+    assert (args.outer_momentum, args.outer_lr) == (0.8, 0.7)
     method = lm.parse_method(args.compare, args.period, args.bits, args.delay)
     tx = lm.tx_of_args(method, args, lm.outer_of_args(args, method))
     hook, _, averaging = tx.init({"w": jnp.zeros((4, 64))})
     assert (hook.start_localSGD_iter, hook.communication.bits, hook.communication.two_level) == (
-        150,
+        100,
         4,
         True,
     )
     averager = averaging.averager
-    assert (averager.period, averager.warmup_steps, averager.communication.bits) == (24, 150, 8)
+    assert (averager.period, averager.warmup_steps, averager.communication.bits) == (32, 100, 8)
     outer = averaging.outer_state.hyperparams
-    assert float(outer["momentum"]) == pytest.approx(0.9)  # diloco_outer, 57 outer steps
-    assert lm.outer_of_args(args, method)["outer_steps"] == 57
+    assert float(outer["momentum"]) == pytest.approx(0.8)  # diloco_outer, 44 outer steps
+    assert lm.outer_of_args(args, method)["outer_steps"] == 44
     ddp = lm.parse_method("ddp")  # no outer step: the outer options stay plain
-    assert lm.outer_of_args(args, ddp) == lm.outer_options(0.7, 0.9)
+    assert lm.outer_of_args(args, ddp) == lm.outer_options(0.7, 0.8)
     # --final-period 12 --final-steps 300: every 12 steps over the last 300, and the
     # cool-down counts those averages (44 at H=24 from 150 to 1182, then 25)
-    final = lm.parse_args(["--recipe", "slow-link", "--final-period", "12", "--final-steps", "300"])
+    h24 = ["--recipe", "slow-link", "--compare", "diloco24", "--start", "150"]  # round 9's
+    method = lm.parse_method("diloco24", 0, 8, 0)
+    final = lm.parse_args([*h24, "--final-period", "12", "--final-steps", "300"])
     assert lm.outer_of_args(final, method)["outer_steps"] == 69
     period = lm.averaging_period(24, 1500, lm.final_of_args(final))
     assert [int(period(s)) for s in (0, 1199, 1200, 1499)] == [24, 24, 12, 12]
@@ -182,14 +187,14 @@ def test_the_slow_link_recipe_builds_the_measured_chain():
     for s in (100, 775, 1000, 1200):
         assert int(qsr(s)) == max(24, int(np.floor(1.5 / r2(s)))), s
     assert int(qsr(1498)) == 2**30 and int(qsr(1499)) == 1
-    grown = lm.parse_args(["--recipe", "slow-link", "--qsr", "1.5"])
+    grown = lm.parse_args([*h24, "--qsr", "1.5"])
     assert lm.outer_of_args(grown, method)["outer_steps"] == 40  # 57 at H=24
     import lsgd_jax
 
     schedule = lsgd_jax.PeriodicModelAverager(qsr, warmup_steps=150).schedule(1500)
     assert 1499 in np.flatnonzero(schedule) and np.count_nonzero(schedule) == 40
     quick = lm.parse_args(["--recipe", "slow-link", "--quick"])  # CI sizes over the recipe
-    assert (quick.steps, quick.start, quick.compare) == (12, 4, "diloco24")
+    assert (quick.steps, quick.start, quick.compare) == (12, 4, "diloco32")
 
 
 def test_a_quantized_warm_up_quantizes_the_hook_only_and_not_ddp():
