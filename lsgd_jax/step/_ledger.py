@@ -205,8 +205,8 @@ class Ledger:
 
     def __str__(self) -> str:
         counts = {k: self.steps.count(k) for k in self.phases}
-        head = ("program", "steps", "across/step", "wire across/step", "inside/step")
-        head += ("ops across", "node links/step")
+        head: tuple[str, ...] = ("program", "steps", "across/step", "wire across/step")
+        head += ("inside/step", "ops across", "node links/step")
         rows = [head] + [
             (
                 str(k),
