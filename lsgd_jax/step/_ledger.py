@@ -47,7 +47,8 @@ def link_bytes(collective: Any, node_of: Any) -> int:
 
     A ring over a group whose devices sit in ``k > 1`` nodes crosses ``k`` node
     boundaries, each hop carrying one device's wire bytes (all-reduce, all-gather,
-    reduce-scatter, permute); an all-to-all sends ``bytes / g`` from each device to
+    reduce-scatter); a permute's pair whose source and target sit in different nodes
+    carries ``bytes`` one way; an all-to-all sends ``bytes / g`` from each device to
     each member of its group, and counts what goes to members in other nodes. So a flat
     all-reduce over 2 nodes of 4 devices puts ``2 x`` its per-device wire bytes on the
     link, not ``8 x``: most of its ring stays inside the nodes. Groups unknown (no
@@ -76,7 +77,9 @@ def link_bytes(collective: Any, node_of: Any) -> int:
         nodes = [node_of(p) for p in group]
         if len(set(nodes)) < 2:
             continue
-        if collective.kind in ("all-to-all", "ragged-all-to-all"):
+        if collective.kind == "collective-permute":  # (source, target): one way
+            total += collective.bytes
+        elif collective.kind in ("all-to-all", "ragged-all-to-all"):
             share = collective.bytes / len(group)
             total += sum(share * sum(m != n for m in nodes) for n in nodes)
         else:

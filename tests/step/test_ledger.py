@@ -128,6 +128,9 @@ def test_link_bytes_of_a_collective_by_hand():
     assert link_bytes(make("all-gather", pairs, 100), node) == 4 * 2 * 100
     # all-to-all over all 8: each device sends bytes / 8 to each of the 4 in the other node
     assert link_bytes(make("all-to-all", (tuple(range(8)),), 800), node) == 8 * 4 * 100
+    # a permute's (source, target) pairs: those across nodes carry bytes one way
+    permute = make("collective-permute", ((0, 4), (4, 0), (1, 2)), 100)
+    assert link_bytes(permute, node) == 2 * 100
     # groups unknown: every device's wire bytes
     unknown = Collective("all-reduce", 8, 1, None, 800, False, "c", "f", "", ())
     assert link_bytes(unknown, node) == 8 * round(2 * 7 / 8 * 800)
