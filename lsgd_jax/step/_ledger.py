@@ -294,6 +294,8 @@ def communication_ledger(
       >>> ledger = lsgd_jax.communication_ledger(step, p, s, jnp.ones((8, 256)), num_steps=10)
       >>> ledger.per_step().tolist()   # grads 1 KiB (+4 B loss), then an average every 4
       [1028, 1028, 1028, 4, 4, 4, 1028, 4, 4, 4]
+      >>> ledger.link_total()   # node links, all devices: a flat ring crosses twice
+      14476
     """
     from lsgd_jax.step._step import DataParallelStep
 
