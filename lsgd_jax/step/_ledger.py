@@ -116,7 +116,7 @@ class PhaseBytes:
         latency, whatever its size).
       inside_count: how many stay inside a node.
       link: bytes on the links between nodes, every device together
-        (:func:`link_bytes`): what a node's network interfaces carry, less framing.
+        (``link_bytes`` in this module): what a node's network interfaces carry, less framing.
     """
 
     report: CommunicationReport
@@ -196,7 +196,7 @@ class Ledger:
 
     def link_per_step(self) -> np.ndarray:
         """Bytes on the links between nodes in each step, every device together (both
-        directions; ring algorithms, :func:`link_bytes`): what the nodes' network
+        directions; ring algorithms, ``link_bytes`` in this module): what the nodes' network
         interfaces carry, less framing. Unlike :meth:`per_step`, not per device: a flat
         all-reduce's ring crosses the node boundary at a few hops only, while a
         two-level exchange sends every device's share across."""
