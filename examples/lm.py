@@ -433,7 +433,7 @@ def tx_of_args(method: Method, args: Any, outer: dict[str, Any] | None) -> Any:
         outer=outer,
         warmup_bits=args.warmup_bits,
         final=final_of_args(args),
-        qsr=getattr(args, "qsr", 0.0),
+        qsr=args.qsr,
     )
 
 
@@ -477,9 +477,7 @@ def outer_of_args(args: argparse.Namespace, method: Method) -> dict[str, Any]:
     """:func:`outer_options` from ``--outer-lr --outer-momentum --outer-decay
     --outer-floor --outer-cooldown`` (this script's and benchmarks/lm_link.py's)."""
     scheduled = (args.outer_decay or args.outer_cooldown) and method.kind == "diloco"
-    period = averaging_period(
-        method.period, args.steps, final_of_args(args), getattr(args, "qsr", 0.0), args.warmup
-    )
+    period = averaging_period(method.period, args.steps, final_of_args(args), args.qsr, args.warmup)
     decay = (args.steps, args.start, period) if scheduled else None
     return outer_options(
         args.outer_lr,
@@ -527,8 +525,8 @@ def write_progress(
     """Appends one evaluation to ``<path>.progress.jsonl`` (a line of JSON: the method,
     the step, the validation loss, the cross-node bytes per device so far and the bytes
     on the node links so far, every device together)."""
-    line = {"method": method, "step": step, "val_loss": val_loss, "cross_node_bytes": across}
-    line["node_link_bytes"] = link
+    line = {"method": method, "step": step, "val_loss": val_loss, "cross_node_bytes": across,
+            "node_link_bytes": link}  # fmt: skip
     with open(f"{path}.progress.jsonl", "a") as f:
         f.write(json.dumps(line) + "\n")
 

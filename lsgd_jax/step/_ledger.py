@@ -75,7 +75,8 @@ def link_bytes(collective: Any, node_of: Any) -> int:
     total = 0
     for group in groups:
         nodes = [node_of(p) for p in group]
-        if len(set(nodes)) < 2:
+        spans = len(set(nodes))
+        if spans < 2:
             continue
         if collective.kind == "collective-permute":  # (source, target): one way
             total += collective.bytes
@@ -83,15 +84,20 @@ def link_bytes(collective: Any, node_of: Any) -> int:
             share = collective.bytes / len(group)
             total += sum(share * sum(m != n for m in nodes) for n in nodes)
         else:
-            total += len(set(nodes)) * collective.wire_bytes
+            total += spans * collective.wire_bytes
     return round(total)
+
+
+def _each_its_own_node(position: int) -> int:
+    """``node_of`` without a mesh: every device a node of its own."""
+    return position
 
 
 def mesh_nodes(mesh: Any, inner_axes: tuple[str, ...]) -> Any:
     """``position -> node`` for ``mesh``: a device's coordinates on the axes that are
     not ``inner_axes`` (positions are row-major indices into ``mesh.devices``)."""
     if mesh is None:
-        return lambda p: p
+        return _each_its_own_node
     shape = tuple(mesh.devices.shape)
     outer = [i for i, a in enumerate(mesh.axis_names) if a not in inner_axes]
 
@@ -130,7 +136,10 @@ class PhaseBytes:
 
     @classmethod
     def of(
-        cls, report: CommunicationReport, inner_axes: tuple[str, ...], node_of: Any = None
+        cls,
+        report: CommunicationReport,
+        inner_axes: tuple[str, ...],
+        node_of: Any = _each_its_own_node,
     ) -> PhaseBytes:
         """Totals of ``report``'s collectives, split at the node boundary; the one-time
         copy of a common anchor (scope ``common_anchor``: ``delta`` and an outer step
@@ -147,7 +156,7 @@ class PhaseBytes:
             sum(c.wire_bytes for c, x in zip(report, cross) if not x),
             sum(cross),
             len(cross) - sum(cross),
-            sum(link_bytes(c, node_of or (lambda p: p)) for c, x in zip(report, cross) if x),
+            sum(link_bytes(c, node_of) for c, x in zip(report, cross) if x),
         )
 
 
