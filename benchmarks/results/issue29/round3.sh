@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 29, round 3 (1,500 steps, seed 0, four runs at once, niced): 4-bit warm-up and
 # 4-bit DiLoCo averages at H=32, the switch at 100/200/300, the outer decay on or off.
-# DDP's run at these settings (session 8): val loss 1.2104, 2,873.9 MB per device.
+# DDP's run at these settings (commit 35fac61): val loss 1.2104, 2,873.9 MB per device.
 set -u
 cd "$(dirname "$0")/../../.."
 . .venv/bin/activate

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 29, round 5 (1,500 steps, four runs at once, niced): 8-bit averages after a
 # 4-bit warm-up, an earlier switch with more frequent averages, and a second seed of
-# round 4's best (DDP, seed 1, session 8: 1.2193).
+# round 4's best (DDP, seed 1, commit ae225ee: 1.2193).
 set -u
 cd "$(dirname "$0")/../../.."
 . .venv/bin/activate

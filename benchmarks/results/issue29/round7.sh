@@ -2,7 +2,7 @@
 # Issue 29, round 7 (1,500 steps, four runs at once, niced): round 6's winner (8-bit
 # averages at H=24 from step 150 after a 4-bit warm-up, the outer step cooling down into
 # a plain average over the last 30% of its steps) on seeds 1 and 2; DDP seed 1 again
-# (session 8's 1.2193 is the reference of seed 1: does it reproduce on today's code?);
+# (commit ae225ee's 1.2193 is the reference of seed 1: does it reproduce on today's code?);
 # and the same recipe at H=32 from step 100 (fewer bytes: how far does it reach?).
 set -u
 cd "$(dirname "$0")/../../.."

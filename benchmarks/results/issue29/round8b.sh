@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Issue 29, round 8b (beside round 8): the previous recipe (session 8: DiLoCo H=32 from
+# Issue 29, round 8b (beside round 8): the previous recipe (commit 188dab6: DiLoCo H=32 from
 # step 500, float32 averages and warm-up, the outer learning rate's cosine to 0) on seed
 # 1, with its history, for docs/lm.md's plot of loss against bytes beside DDP's seed 1
-# (round 7) and the slow-link recipe's seed 1 (round 7). Session 8 measured 1.2127.
+# (round 7) and the slow-link recipe's seed 1 (round 7). Commit 188dab6 measured 1.2127.
 set -u
 cd "$(dirname "$0")/../../.."
 . .venv/bin/activate
