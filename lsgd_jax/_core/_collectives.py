@@ -180,10 +180,12 @@ def bound_axes() -> Axes:
     return _compat.mapped_axis_names()  # pmap and vmap axes: no public API yet
 
 
-class AxisNotBoundError(NameError):
+class AxisNotBoundError(NameError, ValueError):
     """A group names a mesh axis that is not bound where the function runs.
 
-    Raised while tracing, with the missing axis, the bound ones, and the fix.
+    Raised while tracing, with the missing axis, the bound ones, and the fix; and by the
+    build check of a step (with the phase that needs the axis). A NameError, and a
+    ValueError like the build check's other errors.
 
     Example:
       >>> import jax, jax.numpy as jnp, lsgd_jax

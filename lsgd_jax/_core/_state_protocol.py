@@ -27,6 +27,7 @@ Static metadata (part of the tree structure):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import jax
@@ -175,7 +176,36 @@ def states(tree: Any, kind: str | None = None) -> list[PhasedState]:
       (['hook', 'averager'], 1)
     """
     wanted = is_state if kind is None else (lambda x: is_kind(x, kind))
-    return [x for x in jax.tree.leaves(tree, is_leaf=is_state) if wanted(x)]
+    return [x for x in jax.tree.leaves(read_through(tree), is_leaf=is_state) if wanted(x)]
+
+
+def read_through(tree: Any) -> Any:
+    """``tree``, or the optax state of a ``flax.nnx.Optimizer`` (its ``opt_state``).
+
+    Raises:
+      TypeError: ``tree`` is an NNX ``State`` that holds an optimizer's state
+        (``nnx.state(optimizer)``): NNX flattens optax's states into dicts there, so
+        the chain's order and the step counters are gone; the message says to pass
+        ``optimizer.opt_state``.
+
+    Example:
+      >>> from lsgd_jax._core import _state_protocol as sp
+      >>> sp.read_through({"w": 1})
+      {'w': 1}
+    """
+    module = type(tree).__module__ or ""
+    if not module.startswith("flax.nnx"):
+        return tree
+    if isinstance(tree, Mapping):
+        if "opt_state" in tree:
+            raise TypeError(
+                "got an NNX State of an optimizer (nnx.state(optimizer)): NNX flattens "
+                "optax's states into dicts there, so the post-local SGD states (the chain's "
+                "order, the step counters) are not in it. Pass the optimizer's optax state, "
+                "optimizer.opt_state (or the nnx.Optimizer itself)."
+            )
+        return tree
+    return getattr(tree, "opt_state", tree)  # an nnx.Optimizer
 
 
 def leaf_roles(tree: Any) -> list[str | None]:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lsgd_jax._core import _collectives
+from lsgd_jax._core._errors import ModelShapeError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +49,7 @@ class Fragment:
         ]
         total = sum(n for _, n in sizes)
         if total and total < self.count:
-            raise ValueError(
+            raise ModelShapeError(
                 f"fragments={self.count} needs at least that many floating values to split, "
                 f"got {total}; use fewer fragments."
             )

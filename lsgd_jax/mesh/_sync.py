@@ -59,7 +59,7 @@ def step_counters(tree: Any) -> dict[str, Any]:
     (or count the steps yourself) for the number of steps taken.
 
     Args:
-      tree: any pytree.
+      tree: any pytree, or a ``flax.nnx.Optimizer`` (its ``opt_state`` is read).
 
     Returns:
       A dict from the counter's path (``jax.tree_util.keystr`` of its node, plus
@@ -85,6 +85,7 @@ def step_counters(tree: Any) -> dict[str, Any]:
       {'[0].iter': 4, '[2].step': 6}
     """
     found = {}
+    tree = sp.read_through(tree)  # an nnx.Optimizer: its optax state
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_counter_node)
     for path, node in flat:
         if sp.is_state(node):

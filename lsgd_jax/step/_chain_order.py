@@ -39,15 +39,18 @@ class Place(NamedTuple):
 
 def _is_chain(x: Any) -> bool:
     """An optax.chain (plain tuple) or named_chain (OrderedDict) state: a sequence of
-    transformation states, none of them a bare array (a wrapper of one's own that keeps
-    ``(inner_state, count)`` or ``{"inner": ..., "n": ...}`` is not a chain)."""
+    transformation states. A transformation's state may be a bare array, so a sequence
+    that holds bare arrays is a chain when at least two of its items are not: a wrapper
+    of one's own that keeps ``(inner_state, count)`` holds one state beside its counts.
+    (A dict such as ``{"inner": ..., "n": ...}`` is never a chain.)"""
     if isinstance(x, (tuple, list)) and not hasattr(x, "_fields"):
         items = list(x)
     elif isinstance(x, collections.OrderedDict):
         items = list(x.values())
     else:
         return False
-    return not any(isinstance(c, (jax.Array, np.ndarray, np.generic, int, float)) for c in items)
+    bare = sum(isinstance(c, (jax.Array, np.ndarray, np.generic, int, float)) for c in items)
+    return not bare or len(items) - bare >= 2
 
 
 def _children(x: Any) -> list[Any]:

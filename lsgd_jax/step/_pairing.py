@@ -57,7 +57,7 @@ def check_configuration(opt_state: Any, *, check_order: bool = True) -> None:
 
     Args:
       opt_state: an optax state holding PostLocalSGDState / ModelAveragerState nodes
-        (per-replica or not).
+        (per-replica or not), or a ``flax.nnx.Optimizer`` (its ``opt_state`` is read).
       check_order: whether to refuse a hook that is not first, or a model averaging
         that is not last, in its chain. Pass False only for an order you compose on
         purpose (e.g. a transformation after the averaging that you know leaves the
@@ -67,6 +67,8 @@ def check_configuration(opt_state: Any, *, check_order: bool = True) -> None:
       None.
 
     Raises:
+      TypeError: an NNX ``State`` of an optimizer (``nnx.state(optimizer)``), which
+        has lost the states: pass ``optimizer.opt_state``.
       ValueError: a model averager comes before the hook in the chain; or, with
         ``check_order``, the hook is not first or the averaging not last, with the
         order found and the order wanted.
@@ -85,6 +87,7 @@ def check_configuration(opt_state: Any, *, check_order: bool = True) -> None:
       ...
       ValueError: post_local_sgd must come first in the optax.chain, but it sits at position 1 ...
     """
+    opt_state = sp.read_through(opt_state)  # an nnx.Optimizer: its optax state
     nodes: list[Any] = sp.states(opt_state)  # hooks' and averagers' states
     hooks = [(i, x) for i, x in enumerate(nodes) if x.KIND == sp.HOOK]
     averagers = [

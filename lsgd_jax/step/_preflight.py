@@ -1,16 +1,20 @@
-"""What a step checks when it is built: every phase of the optimizer, traced on the mesh.
+"""What a step checks before it runs: every phase of the optimizer, traced on the mesh.
 
 A step specialized per phase traces a phase's program when that phase first occurs: a
 node-local mean after the switch (step 100, or 10,000), a hierarchical level's average,
 a two-level strategy's inner axis. A mesh that one of them cannot use would then fail
-hours into a run. So when the step is built, the optimizer's update is traced (not
-compiled, not run) once per phase on a one-value tree, inside a ``shard_map`` over the
-step's data axes: every group resolves and every collective is typed as in the real
-step, and what fails is reported with the phase and the fix, before the first step.
+hours into a run. So the optimizer's update is traced (not compiled, not run) once per
+phase inside a ``shard_map`` over the step's data axes: every group resolves and every
+collective is typed as in the real step, and what fails is reported with the phase and
+the fix, before the first step.
 
-Only errors raised by lsgd_jax itself are reported: a failure of the probe in the user's
-own transformations (one that needs the real params' structure, e.g. ``optax.masked``
-with a mask tree) leaves the check to the first call, whose trace reports it as usual.
+Two passes. When the step is built (:func:`check_tx`), on the user's params if the
+builder was given them, else on a one-leaf stand-in: a check that depends on the
+model's shapes (:class:`ModelShapeError`, e.g. too few values for the fragments) is then
+left to the second pass. At the first call (:func:`check_model`), on the abstract shapes
+of the params and state the step is called with. Only errors raised by lsgd_jax itself
+are reported: a failure in the user's own transformations is left to the step's trace,
+which reports it as usual.
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 from lsgd_jax._core import _collectives
 from lsgd_jax._core import _state_protocol as sp
+from lsgd_jax._core._errors import ModelShapeError
 from lsgd_jax.step import _pairing, _phase
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # lsgd_jax/
@@ -106,10 +112,16 @@ def _averager_words(state: Any, digit: int) -> str:
     return "an average over " + ("every data axis" if group is None else repr(group)) + landing
 
 
-def check_tx(tx: Any, mesh: Mesh, axes: Sequence[str], what: str, check_order: bool) -> Any:
-    """The checks a step runs when it is built, from ``tx`` alone: the chain's order
-    (``check_configuration``) and every phase on the mesh (:func:`check_phases`), on
-    ``tx.init`` of a one-value probe tree.
+def check_tx(
+    tx: Any,
+    mesh: Mesh,
+    axes: Sequence[str],
+    what: str,
+    check_order: bool,
+    params: Any = None,
+) -> Any:
+    """The checks a step runs when it is built: the chain's order
+    (``check_configuration``) and every phase on the mesh (:func:`check_phases`).
 
     Args:
       tx: the optimizer.
@@ -117,10 +129,13 @@ def check_tx(tx: Any, mesh: Mesh, axes: Sequence[str], what: str, check_order: b
       axes: its data axes.
       what: the caller's name, for errors.
       check_order: whether to refuse a hook not first or an averaging not last.
+      params: one replica's params (arrays, or ``jax.ShapeDtypeStruct`` leaves) to check on;
+        None: a one-leaf stand-in, on which checks that depend on the model's shapes
+        are skipped (:func:`check_model` runs them at the first call).
 
     Returns:
-      The probe's optimizer state, or None where ``tx.init`` needs the real params'
-      structure (e.g. ``optax.masked`` with a mask tree): the first trace checks then.
+      The optimizer state checked, or None where ``tx.init`` cannot init the stand-in
+      (e.g. ``optax.masked`` with a mask tree): the first call checks then.
 
     Example:
       >>> import optax, lsgd_jax
@@ -131,14 +146,87 @@ def check_tx(tx: Any, mesh: Mesh, axes: Sequence[str], what: str, check_order: b
       >>> lsgd_jax.num_phases(state)
       2
     """
-    try:
-        params = probe()
-        probe_state = tx.init(params)
-    except Exception:  # noqa: BLE001  (a transform needing the real params' structure)
-        return None
-    _pairing.check_configuration(probe_state, check_order=check_order)
-    check_phases(tx, mesh, axes, what, probe_state, params)
-    return probe_state
+    stand_in = params is None
+    if stand_in:
+        try:
+            params = probe()
+            state = tx.init(params)
+        except Exception:  # noqa: BLE001  (a transform needing the real params' structure)
+            return None
+    else:
+        params = abstract(params)
+        state = jax.eval_shape(tx.init, params)
+    _pairing.check_configuration(state, check_order=check_order)
+    check_phases(tx, mesh, axes, what, state, params, stand_in=stand_in)
+    return state
+
+
+def check_model(
+    tx: Any,
+    mesh: Mesh,
+    axes: Sequence[str],
+    what: str,
+    check_order: bool,
+    params: Any,
+    opt_state: Any,
+) -> None:
+    """The checks of :func:`check_tx` on the params and state a step is called with.
+
+    Args:
+      tx, mesh, axes, what, check_order: as for :func:`check_tx`.
+      params: the per-replica params (a leading replica axis), arrays or abstract.
+      opt_state: the per-replica optimizer state, likewise.
+
+    Raises:
+      ValueError: (or the library's own class, e.g. ``AxisNotBoundError``) a phase
+        cannot run on this model or mesh; says which phase and how to fix it.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, lsgd_jax
+      >>> from lsgd_jax.step import _preflight
+      >>> mesh = lsgd_jax.make_mesh(2, 4)
+      >>> avg = lsgd_jax.PeriodicModelAverager(4, warmup_steps=2, fragments=4)
+      >>> tx = optax.chain(lsgd_jax.post_local_sgd(2), optax.sgd(0.1),
+      ...     lsgd_jax.model_averaging(avg))
+      >>> p = lsgd_jax.replicate(jnp.zeros(3), mesh)
+      >>> _preflight.check_model(tx, mesh, ("node", "local"), "demo", True, p,
+      ...     lsgd_jax.replicate(tx.init(jnp.zeros(3)), mesh))
+      Traceback (most recent call last):
+      ...
+      lsgd_jax._core._errors.ModelShapeError: demo: the optimizer cannot run on this model ...
+    """
+    params, opt_state = jax.tree.map(_one_replica, (params, opt_state))
+    _pairing.check_configuration(opt_state, check_order=check_order)
+    check_phases(tx, mesh, axes, what, opt_state, params)
+
+
+def signature(tree: Any) -> Any:
+    """A hashable key of ``tree``'s structure, shapes and dtypes (what a check saw).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from lsgd_jax.step import _preflight
+      >>> _preflight.signature([jnp.zeros(2)]) == _preflight.signature([jnp.ones(2)])
+      True
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((np.shape(x), str(x.dtype)) for x in leaves)
+
+
+def _one_replica(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype)
+
+
+def abstract(tree: Any) -> Any:
+    """``tree``'s leaves as ``jax.ShapeDtypeStruct`` (shape and dtype alone).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from lsgd_jax.step import _preflight
+      >>> _preflight.abstract({"w": jnp.zeros((2, 3))})
+      {'w': ShapeDtypeStruct(shape=(2, 3), dtype=float32)}
+    """
+    return jax.tree.map(_abstract, tree)
 
 
 def check_phases(
@@ -148,6 +236,8 @@ def check_phases(
     what: str,
     opt_state: Any,
     params: Any,
+    *,
+    stand_in: bool = False,
 ) -> None:
     """Traces ``tx.update`` once per phase inside a ``shard_map`` over ``axes``.
 
@@ -159,13 +249,17 @@ def check_phases(
       opt_state: one replica's optimizer state (no leading replica axis), e.g.
         ``tx.init(probe())``.
       params: one replica's params for ``opt_state`` (abstract values are enough).
+      stand_in: ``params`` is a stand-in, not the user's model: a failure of a check
+        that depends on the model's shapes (:class:`ModelShapeError`) is skipped.
 
     Returns:
       None. A failure in code that is not lsgd_jax's is left to the first call's
       trace, which reports it as usual.
 
     Raises:
-      ValueError: a phase cannot run on this mesh; says which phase and how to fix it.
+      ValueError: a phase cannot run on this mesh or model; says which phase and how to
+        fix it. An error of the library's own class (``AxisNotBoundError``,
+        :class:`ModelShapeError`) keeps its class.
 
     Example:
       >>> import numpy as np, jax, optax, lsgd_jax
@@ -200,12 +294,32 @@ def check_phases(
         except (ValueError, TypeError, NameError, NotImplementedError) as error:
             if not _raised_by_us(error):
                 return
+            if isinstance(error, ModelShapeError):
+                if stand_in:
+                    continue  # the user's model decides, at the first call
+                where, when = "this model", "before the first step"
+            else:
+                where, when = f"this mesh (axes {axes})", "when the step is built"
             hint = _hint(opt_state, index, axes)  # the usual case, said plainly
-            raise ValueError(
-                f"{what}: the optimizer cannot run on this mesh (axes {axes}) in phase "
-                f"{index} ({describe_phase(opt_state, index)}); every phase is checked "
-                f"when the step is built. {hint or error}"
-            ) from error
+            message = (
+                f"{what}: the optimizer cannot run on {where} in phase {index} "
+                f"({describe_phase(opt_state, index)}); every phase is checked {when}. "
+                f"{hint or error}"
+            )
+            raise _same_class(error, message) from error
+
+
+def _same_class(error: BaseException, message: str) -> BaseException:
+    """The library's own class of ``error`` (``AxisNotBoundError``, ``ModelShapeError``,
+    each a ValueError too) with ``message``; a ValueError for any other class."""
+    if type(error).__module__.startswith("lsgd_jax."):
+        try:
+            new = type(error)(message)
+        except Exception:  # noqa: BLE001  (a class whose constructor wants more)
+            return ValueError(message)
+        if str(new) == message:
+            return new
+    return ValueError(message)
 
 
 def _holds_ours(opt_state: Any) -> bool:
@@ -236,5 +350,6 @@ def _hint(opt_state: Any, index: int, axes: tuple[str, ...]) -> str:
 
 
 def _abstract(x: Any) -> Any:
-    x = jnp.asarray(x) if not isinstance(x, jax.ShapeDtypeStruct) else x
-    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        x = jnp.asarray(x)
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype)

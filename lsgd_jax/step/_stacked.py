@@ -76,16 +76,28 @@ def stacked(
       Array([-1.75, -1.75, -1.75, -1.75, -1.75, -1.75, -1.75, -1.75], dtype=float32)
     """
     axes = tuple(axes) if axes is not None else data_axes(mesh)
-    _preflight.check_tx(tx, mesh, axes, "stacked", _validate.boolean(check_order, "check_order"))
+    check_order = _validate.boolean(check_order, "check_order")
+    _preflight.check_tx(tx, mesh, axes, "stacked", check_order)
     rep = P(axes)
     manual = frozenset(axes)
     kwargs: dict[str, Any] = {} if manual == frozenset(mesh.axis_names) else {"axis_names": manual}
+    checked: set[Any] = set()  # the models checked (structure, shapes and dtypes)
+
+    def check_model(params: Any, state: Any) -> None:
+        key = _preflight.signature(params)
+        if key not in checked:
+            _preflight.check_model(tx, mesh, axes, "stacked", check_order, params, state)
+            checked.add(key)
 
     def init_fn(params: optax.Params) -> optax.OptState:
-        return jax.vmap(tx.init)(params)
+        state = jax.vmap(tx.init)(params)
+        check_model(params, state)
+        return state
 
     def update_fn(updates, state, params=None, **extra_args):
         inner = optax.with_extra_args_support(tx)
+        if params is not None:
+            check_model(params, state)
 
         def body(u, s, p):
             u, s, p = jax.tree.map(lambda x: x[0], (u, s, p))

@@ -48,6 +48,7 @@ def data_parallel_step(
     fsdp_axes: str | Sequence[str] | None = None,
     compiler_options: Mapping[str, Any] | None = None,
     check_order: bool = True,
+    example_params: Any = None,
 ) -> DataParallelStep:
     """A jitted, donated ``shard_map`` training step over per-replica params and state.
 
@@ -173,13 +174,18 @@ def data_parallel_step(
       check_order: refuse a chain whose ``post_local_sgd`` is not first or whose
         ``model_averaging`` is not last (see :func:`check_configuration`); False for an
         order composed on purpose.
+      example_params: one replica's params (or their abstract shapes, as
+        ``jax.ShapeDtypeStruct``), to run the checks that depend on the model's shapes
+        when the step is built; None: they run at the first call, before the step does.
 
-    What the step checks when it is built, before the first step: the chain's order,
-    and every phase the optimizer will run (the warm-up, the node-local means after
-    the switch, each averaging level), traced on this mesh: an axis a later phase needs
-    and the mesh lacks is an error now, naming the phase and the fix, not at step
-    10,000. A mesh with Explicit axes (``jax.make_mesh``'s default) works: the step
-    puts the batch onto the data axes itself.
+    What the step checks before the first step: the chain's order, and every phase the
+    optimizer will run (the warm-up, the node-local means after the switch, each
+    averaging level), traced on this mesh and on your model's shapes: an axis a later
+    phase needs and the mesh lacks is an error when the step is built, naming the phase
+    and the fix, not at step 10,000; what depends on the model (e.g. enough values for
+    ``fragments``) is checked on ``example_params`` then, or at the first call. A mesh
+    with Explicit axes (``jax.make_mesh``'s default) works: the step puts the batch
+    onto the data axes itself.
 
     With several processes (one per node, see :func:`make_mesh`), every process calls
     the step with the same arguments: params and optimizer state from :func:`replicate`
@@ -237,7 +243,9 @@ def data_parallel_step(
         options,
         check_order,
     )
-    _step_program.check_when_built(spec)
+    if example_params is not None:
+        example_params = _step_inputs.check_example_params(example_params)
+    _step_program.check_when_built(spec, example_params)
     return DataParallelStep(
         spec,
         specialize=specialize,
@@ -248,6 +256,7 @@ def data_parallel_step(
             check_in_sync_every, "data_parallel_step: check_in_sync_every"
         ),
         compile_ahead=_validate.nonnegative_int(compile_ahead, "data_parallel_step: compile_ahead"),
+        model_checked=example_params is not None,
     )
 
 
@@ -284,6 +293,7 @@ class DataParallelStep(_AheadOfTime):
         max_in_flight: int | None,
         check_in_sync_every: int | None,
         compile_ahead: int = 0,
+        model_checked: bool = False,
     ) -> None:
         self._spec = spec
         self._mesh_processes = len({d.process_index for d in spec.mesh.devices.flat})
@@ -305,6 +315,7 @@ class DataParallelStep(_AheadOfTime):
         self._unchecked: collections.deque = collections.deque()
         self._calls = 0
         self._outputs = _step_inputs.Identity(None, None, None)  # what the last call returned
+        self._model_checked = model_checked  # the build check ran on the user's model
 
     @property
     def jitted(self) -> Any:
@@ -340,6 +351,9 @@ class DataParallelStep(_AheadOfTime):
         _step_inputs.check_replicated(opt_state, "opt_state", n, spec.mesh, spec.axes)
         if spec.with_model_state:
             _step_inputs.check_replicated(model_state, "model_state", n, spec.mesh, spec.axes)
+        if not self._model_checked:
+            _step_program.check_at_first_call(spec, params, opt_state)
+            self._model_checked = True
 
     def __call__(self, *args: Any) -> tuple[Any, ...]:
         params, model_state, opt_state, batch = self.jit_args(*args)

@@ -79,6 +79,29 @@ def check_replicated(tree: Any, what: str, n: int, mesh: Mesh, axes: tuple[str, 
                 )
 
 
+def check_example_params(params: Any) -> Any:
+    """``data_parallel_step``'s ``example_params``: a tree of arrays or
+    ``jax.ShapeDtypeStruct`` leaves (one replica's params, no replica axis).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from lsgd_jax.step import _step_inputs
+      >>> _step_inputs.check_example_params("params")
+      Traceback (most recent call last):
+      ...
+      TypeError: data_parallel_step: example_params must be one replica's params ...
+    """
+    leaves = jax.tree.leaves(params)
+    bad = [x for x in leaves if not (hasattr(x, "shape") and hasattr(x, "dtype"))]
+    if not leaves or bad:
+        raise TypeError(
+            "data_parallel_step: example_params must be one replica's params (a tree of "
+            "arrays, or of jax.ShapeDtypeStruct, without the replica axis), e.g. the "
+            f"params you pass to replicate; got {params!r:.80}."
+        )
+    return params
+
+
 class Identity:
     """The step's own last outputs, held to recognize them (``is``) when passed straight
     back: those were checked and are alive."""

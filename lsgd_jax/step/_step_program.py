@@ -70,16 +70,28 @@ def check_optimizer(opt_state: Any, check_order: bool = True) -> None:
         )
 
 
-def check_when_built(spec: StepSpec) -> None:
-    """What can be checked before the first step, from ``tx`` alone (``_preflight``):
-    the chain's order, every phase's groups and collectives on the mesh, and a chain
-    that averages models without a hook. A ``tx`` whose init needs the real params'
-    structure is checked when the step first traces.
+def check_when_built(spec: StepSpec, example_params: Any = None) -> None:
+    """What can be checked before the first step (``_preflight``): the chain's order,
+    every phase's groups and collectives on the mesh, and a chain that averages models
+    without a hook; on ``example_params`` (one replica's params or their abstract
+    shapes) if given, else on a stand-in, leaving what depends on the model's shapes to
+    :func:`check_at_first_call`. A ``tx`` whose init cannot init the stand-in is
+    checked at the first call.
     """
     what = "data_parallel_step"
-    probe_state = _preflight.check_tx(spec.tx, spec.mesh, spec.axes, what, spec.check_order)
-    if probe_state is not None:
-        check_optimizer(probe_state, spec.check_order)
+    state = _preflight.check_tx(
+        spec.tx, spec.mesh, spec.axes, what, spec.check_order, example_params
+    )
+    if state is not None:
+        check_optimizer(state, spec.check_order)
+
+
+def check_at_first_call(spec: StepSpec, params: Any, opt_state: Any) -> None:
+    """The build check again on the params and optimizer state of the first call
+    (per-replica, abstract shapes are enough), before any step runs."""
+    _preflight.check_model(
+        spec.tx, spec.mesh, spec.axes, "data_parallel_step", spec.check_order, params, opt_state
+    )
 
 
 def _average_like_params(model_state: Any, opt_state: Any, new_opt_state: Any) -> Any:
