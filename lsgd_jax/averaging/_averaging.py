@@ -235,6 +235,7 @@ class PeriodicModelAverager(_Averager):
         warmup = _validate.nonnegative_int(self.warmup_steps, "warmup_steps")
         object.__setattr__(self, "warmup_steps", warmup)
         k = _validate.positive_int(self.fragments, "fragments")
+        object.__setattr__(self, "fragments", k)
         if callable(self.period):
             if k > 1 or self.delay:
                 raise ValueError(

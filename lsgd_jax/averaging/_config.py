@@ -152,6 +152,7 @@ def _check_options(self: Any) -> None:
         )
     for flag in ("delta", "outer_skip_first"):
         object.__setattr__(self, flag, _validate.boolean(getattr(self, flag), flag))
+    object.__setattr__(self, "delay", _validate.nonnegative_int(self.delay, "delay"))
     if self.offload_state is not None:  # None and False alike: on the device
         offload = _validate.boolean(self.offload_state, "offload_state")
         object.__setattr__(self, "offload_state", True if offload else None)

@@ -8,7 +8,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from lsgd_jax._core import _validate
@@ -34,11 +33,7 @@ def check_bits_and_block(bits: Any, block_size: Any) -> tuple[int, int]:
       ...
       ValueError: quantized: with bits=4 two values share a byte, so block_size must be even, ...
     """
-    if (
-        isinstance(bits, (bool, np.bool_))
-        or not isinstance(bits, (int, np.integer))
-        or int(bits) not in QMAX
-    ):
+    if not _validate._is_int(bits) or int(bits) not in QMAX:
         raise ValueError(
             f"quantized: bits must be 8 or 4, got {bits!r}; use bits=8 (int8) or bits=4 "
             "(two values per byte)."

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -35,16 +36,19 @@ class OuterConfig:
     cooldown: tuple[int, float] | None = None
 
     def at(self, updates: int) -> tuple[np.float32, np.float32 | None]:
-        """Rule (diloco_outer): "over the last ``round(fraction * total)`` (at least 1)
-        of ``total`` updates, counted by the outer optimizer's own updates so far, the
-        learning rate rises linearly to 1 and the momentum falls to 0"; else constant."""
+        """Rule (diloco_outer): "of the ``U = total - 1`` updates (the first average,
+        at the switch, is not an outer update), the last ``C = ceil(fraction * U)`` (at
+        least 1) are cooled: update ``k`` runs at ``r = max(0, k - (U - C) + 1) / C``,
+        learning rate ``lr + (1 - lr) r`` and momentum ``m (1 - r)``, so the last one
+        is the plain average (1, 0)"; ``k`` counts the outer optimizer's own updates."""
         if self.cooldown is None:
             return F32(self.lr), None if self.momentum is None else F32(self.momentum)
         total, fraction = self.cooldown
-        length = max(1, round(fraction * total))
-        ramp = F32(min(max((updates - (total - length)) / length, 0.0), 1.0))
+        u = total - 1  # diloco_outer's default outer_skip_first=True
+        c = max(1, math.ceil(round(fraction * u, 6))) if u else 0
+        ramp = F32(min(max((updates - (u - c) + 1) / c, 0.0), 1.0) if c else 1.0)
         lr, m = F32(self.lr), F32(self.momentum)
-        return lr + (F32(1.0) - lr) * ramp, m * (F32(1.0) - ramp)
+        return lr * (F32(1.0) - ramp) + ramp, m * (F32(1.0) - ramp)
 
 
 @short_repr
