@@ -48,6 +48,12 @@ from lsgd_jax.comm._strategies import flat
 from lsgd_jax.comm._strategies import quantized
 from lsgd_jax.comm._strategies import two_level
 
+# Names lsgd_jax.comm had as a module (before commit 9c4ecf6), kept as they were:
+# attributes, not in __all__. NONFINITE_POLICIES: finite_only's policies.
+from lsgd_jax._core._collectives import Group as Group
+from lsgd_jax.comm._base import logger as logger
+from lsgd_jax.comm._strategies import FINITE_ONLY_POLICIES as NONFINITE_POLICIES  # noqa: F401
+
 __all__ = [
     "Communication",
     "Compressed",

@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import os
 import pathlib
+import tempfile
+import warnings
 from typing import Any, cast
 
 import jax
 
+from lsgd_jax._core import _validate
+
 ENV = "LSGD_JAX_COMPILATION_CACHE"
 DEFAULT = pathlib.Path("~/.cache/lsgd_jax/jax-compilation-cache")
+_WARNED: set[str] = set()  # folders already warned about (once each)
 
 
 def default_directory() -> str:
@@ -34,7 +39,9 @@ def default_directory() -> str:
     return os.environ.get(ENV) or str(DEFAULT.expanduser())
 
 
-def use_compilation_cache(directory: Any = None, *, min_compile_time_s: float = 0.0) -> str:
+def use_compilation_cache(
+    directory: str | os.PathLike[str] | None = None, *, min_compile_time_s: float = 0.0
+) -> str | None:
     """Turns on JAX's persistent compilation cache, so that compiled programs are kept
     on disk and a process that runs them again loads them instead of compiling.
 
@@ -45,6 +52,13 @@ def use_compilation_cache(directory: Any = None, *, min_compile_time_s: float = 
     folder is kept. Call it before the programs to keep are compiled (it may come after
     other JAX work).
 
+    The cache is an optimisation: where the folder cannot be used (it cannot be created,
+    or written to, e.g. a read-only home, or a file in its place), a ``RuntimeWarning``
+    naming the folder and how to choose another is issued once for that folder, and
+    JAX compiles without a cache. An explicit ``directory`` is treated the same way, as
+    the same job script may meet a writable folder on one host and not on another.
+    Arguments of the wrong type or value are refused before anything is created.
+
     What it costs: disk, about the size of each compiled program (a few hundred KB to a
     few MB per program on CPU; a step with one program per phase keeps one per phase,
     per mesh and per set of input shapes); JAX keeps the folder unbounded unless
@@ -54,12 +68,18 @@ def use_compilation_cache(directory: Any = None, *, min_compile_time_s: float = 
     Args:
       directory: the folder (created if missing); None: ``$LSGD_JAX_COMPILATION_CACHE``
         or ``~/.cache/lsgd_jax/jax-compilation-cache``.
-      min_compile_time_s: keep only programs that took at least this long to compile
-        (JAX's default is 1 s; 0 keeps every program, so that a rejoin compiles
+      min_compile_time_s: keep only programs that took at least this long to compile,
+        in seconds (JAX's default is 1; 0 keeps every program, so that a rejoin compiles
         nothing). Left as it is where the cache was already set.
 
     Returns:
-      The folder in use.
+      The folder in use, or None where the folder could not be used (the warning says
+      why; programs are then compiled every time).
+
+    Raises:
+      TypeError: ``directory`` is not a path, or ``min_compile_time_s`` is not a number.
+      ValueError: ``directory`` is empty, or ``min_compile_time_s`` is negative or not
+        finite.
 
     Example:
       >>> import jax, lsgd_jax
@@ -67,16 +87,66 @@ def use_compilation_cache(directory: Any = None, *, min_compile_time_s: float = 
       >>> folder == jax.config.jax_compilation_cache_dir
       True
     """
+    folder = _check_directory(directory)
+    seconds = _validate.real_number(
+        min_compile_time_s, "use_compilation_cache: min_compile_time_s", "min_compile_time_s=1.0"
+    )
+    if seconds < 0:
+        raise ValueError(
+            f"use_compilation_cache: min_compile_time_s must be >= 0 seconds, got "
+            f"{min_compile_time_s!r}; pass e.g. min_compile_time_s=1.0 (0 keeps every program)."
+        )
     current = cast(Any, jax.config).jax_compilation_cache_dir  # (no type stub for it)
     if current:
         return str(current)
-    folder = pathlib.Path(directory if directory is not None else default_directory())
-    folder = folder.expanduser()
-    folder.mkdir(parents=True, exist_ok=True)
-    if min_compile_time_s < 0:
-        raise ValueError(
-            f"use_compilation_cache: min_compile_time_s must be >= 0, got {min_compile_time_s}."
-        )
+    problem = _unusable(folder)
+    if problem is not None:
+        if str(folder) not in _WARNED:
+            _WARNED.add(str(folder))
+            warnings.warn(
+                f"use_compilation_cache: cannot keep compiled programs in {folder} "
+                f"({problem}); compiling without the cache. To keep them, choose a "
+                f"writable folder: use_compilation_cache(directory=...) (in "
+                f"elastic.initialize: compilation_cache=...) or the environment "
+                f"variable {ENV}.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return None
     jax.config.update("jax_compilation_cache_dir", str(folder))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_time_s))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", seconds)
     return str(folder)
+
+
+def _check_directory(directory: Any) -> pathlib.Path:
+    """``directory`` (or the default folder) as an absolute path, without touching it."""
+    if directory is None:
+        directory = default_directory()
+    elif not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(
+            "use_compilation_cache: directory must be a folder's path (a str or "
+            f"pathlib.Path) or None for the default, got {directory!r} "
+            f"({type(directory).__name__})."
+        )
+    if not os.fspath(directory):
+        raise ValueError(
+            "use_compilation_cache: directory is an empty path; pass a folder, e.g. "
+            f"'~/.cache/lsgd_jax/jax-compilation-cache', or None for ${ENV} or that one."
+        )
+    return pathlib.Path(directory).expanduser().absolute()
+
+
+def _unusable(folder: pathlib.Path) -> str | None:
+    """Why ``folder`` cannot hold the cache (created if missing, then written to), or
+    None where it can."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle, probe = tempfile.mkstemp(dir=folder, prefix=".lsgd_jax-write-check-")
+        os.close(handle)
+        os.remove(probe)
+    except OSError as error:
+        blocking = [p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()]
+        if blocking:
+            return f"{blocking[0]} is a file, not a folder"
+        return f"cannot create or write to it: {error.strerror or error}"
+    return None

@@ -12,17 +12,20 @@ bytes of its phase, split into what crosses nodes and what stays inside a node.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from lsgd_jax._core import _validate
+from lsgd_jax.mesh._mesh import LOCAL_AXIS
 from lsgd_jax.report._hlo import parse_hlo
 from lsgd_jax.report._records import CommunicationReport
 from lsgd_jax.step import _phase
 from lsgd_jax.step._phase_plan import skips_on_device
 
 _WHERE = ("across", "inside", "all")
+DDP = "ddp"  # the label of a step with nothing phased (no hook, no averager): plain DDP
 
 
 def crosses_nodes(collective: Any, inner_axes: tuple[str, ...]) -> bool:
@@ -166,7 +169,9 @@ class Ledger:
 
     Attributes:
       phases: ``{phase: PhaseBytes}``, one per phase the run takes (a phase index; or
-        ``"switch"`` / ``"cond"`` when the phase of each call cannot be known ahead).
+        ``"switch"`` / ``"cond"`` when the phase of each call cannot be known ahead;
+        ``"ddp"`` for a step whose optimizer has no phases, no post_local_sgd hook and
+        no averager: plain data parallel, the same gradient mean every call).
       steps: the phase of each step, in order (length ``num_steps``).
       inner_axes: the mesh axes inside one node.
       exact: False when the step runs one program for every phase and its optimizer
@@ -251,7 +256,7 @@ class Ledger:
 
 
 def communication_ledger(
-    step: Any, *args: Any, num_steps: int, inner_axes: Any = ("local",)
+    step: Any, *args: Any, num_steps: int, inner_axes: str | Sequence[str] | None = None
 ) -> Ledger:
     """Bytes each device sends, across nodes and inside them, per step and per run.
 
@@ -285,12 +290,20 @@ def communication_ledger(
       *args: its arguments for the first of those calls, e.g. ``(params, opt_state,
         batch)``.
       num_steps: how many calls the run makes.
-      inner_axes: the mesh axis (or axes) of one node's devices.
+      inner_axes: the mesh axes of one node's devices: a tuple of axis names, or one
+        name (``"local"`` is ``("local",)``); ``()`` takes each device for a node of
+        its own. Default: ``("local",)`` (:func:`make_mesh`'s axis inside a node), or
+        ``()`` on a mesh without a ``"local"`` axis.
 
     Returns:
       A :class:`Ledger`: ``ledger.per_step()``, ``ledger.total()``, ``print(ledger)``;
       ``ledger.link_total()`` for the bytes on the links between nodes (every device
       together, as a node's network interface counts them).
+
+    Raises:
+      TypeError: ``step`` is not a :func:`data_parallel_step`, or ``inner_axes`` is not
+        an axis name or a sequence of them.
+      ValueError: ``inner_axes`` names an axis the step's mesh does not have.
 
     Example:
       >>> import jax.numpy as jnp, optax, lsgd_jax
@@ -313,9 +326,9 @@ def communication_ledger(
             f"communication_ledger expects a step from lsgd_jax.data_parallel_step, got "
             f"{step!r}; for any other jitted function use lsgd_jax.communication_report."
         )
-    inner = (inner_axes,) if isinstance(inner_axes, str) else tuple(inner_axes)
     num_steps = _validate.positive_int(num_steps, "communication_ledger: num_steps")
     mesh = step._spec.mesh
+    inner = _check_inner_axes(inner_axes, tuple(mesh.axis_names))
     plan = step.plan_of(*args, num_steps=num_steps)
     jit_args = step.jit_args(*args)
     opt_state = jit_args[2]
@@ -326,8 +339,31 @@ def communication_ledger(
         programs = [(k, step._program(k).lower(*jit_args).compile()) for k in dict.fromkeys(plan)]
     else:
         programs = step.programs_of(*args, num_steps=num_steps)
+    if _phase.num_phases(opt_state) == 1:  # nothing phased: the step is DDP's, every call
+        plan, programs = [DDP] * num_steps, [(DDP, c) for _, c in programs]
     node_of = mesh_nodes(mesh, inner)
     phases = {
         k: PhaseBytes.of(parse_hlo(c.as_text(), mesh=mesh), inner, node_of) for k, c in programs
     }
     return Ledger(phases, tuple(plan), inner, exact=not (one_program and skips))
+
+
+def _check_inner_axes(inner_axes: Any, mesh_axes: tuple[str, ...]) -> tuple[str, ...]:
+    """``inner_axes`` as a tuple of ``mesh_axes``' names (see communication_ledger)."""
+    if inner_axes is None:
+        return (LOCAL_AXIS,) if LOCAL_AXIS in mesh_axes else ()
+    names = (inner_axes,) if isinstance(inner_axes, str) else inner_axes
+    if not isinstance(names, (tuple, list)) or not all(isinstance(a, str) for a in names):
+        raise TypeError(
+            "communication_ledger: inner_axes must be a mesh axis's name or a tuple of "
+            f"them (the axes of one node's devices, e.g. ('local',)), got {inner_axes!r}."
+        )
+    for name in names:
+        if name not in mesh_axes:
+            raise ValueError(
+                f"communication_ledger: inner_axes names {name!r}, which is not an axis of "
+                f"the step's mesh: the mesh's axes are {mesh_axes}. Pass the axes of one "
+                "node's devices among them (make_mesh's is 'local'), or () for each "
+                "device a node of its own."
+            )
+    return tuple(names)

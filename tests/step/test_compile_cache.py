@@ -1,10 +1,13 @@
 """use_compilation_cache: a process that runs the step again loads its programs (issue 27)."""
 
 import json
+import math
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import helpers
 import jax
@@ -75,6 +78,116 @@ def test_the_default_folder_follows_the_environment(monkeypatch):
     assert _compile_cache.default_directory() == "/scratch/cache"
     monkeypatch.delenv(_compile_cache.ENV)
     assert _compile_cache.default_directory().endswith(".cache/lsgd_jax/jax-compilation-cache")
+
+
+@pytest.fixture
+def no_cache_yet(monkeypatch):
+    """JAX's cache unset (conftest sets one for the session), as in a fresh process;
+    restored afterwards. No warning has been given yet."""
+    config = jax.config
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    saved = {name: getattr(config, name) for name in names}
+    monkeypatch.setattr(_compile_cache, "_WARNED", set())
+    jax.config.update("jax_compilation_cache_dir", None)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            jax.config.update(name, value)
+
+
+def a_file(tmp_path):
+    path = tmp_path / "a_file"
+    path.write_text("not a folder")
+    return path
+
+
+def unusable_folders(tmp_path):
+    """Folders no one can write, root included (chmod does not stop root): below a
+    regular file, a file in the folder's place, below /proc, and /proc itself."""
+    file = a_file(tmp_path)
+    return [
+        (file / "cache", f"{file} is a file, not a folder"),
+        (file, f"{file} is a file, not a folder"),
+        (pathlib.Path("/proc/lsgd_jax_no_such/cache"), "cannot create or write to it"),
+        (pathlib.Path("/proc"), "cannot create or write to it"),
+    ]
+
+
+def test_an_unusable_folder_warns_once_and_leaves_the_cache_off(tmp_path, no_cache_yet):
+    # Before: PermissionError, NotADirectoryError or FileExistsError from mkdir, and
+    # every caller (the demo, the examples, elastic.initialize) ended there.
+    for folder, why in unusable_folders(tmp_path):
+        with pytest.warns(RuntimeWarning) as caught:
+            assert lsgd_jax.use_compilation_cache(folder) is None
+        (message,) = [str(w.message) for w in caught]
+        assert f"cannot keep compiled programs in {folder} ({why}" in message
+        assert "compiling without the cache" in message
+        assert "use_compilation_cache(directory=...)" in message and _compile_cache.ENV in message
+        assert jax.config.jax_compilation_cache_dir is None  # JAX compiles as without it
+        with warnings.catch_warnings():  # once per folder
+            warnings.simplefilter("error")
+            assert lsgd_jax.use_compilation_cache(folder) is None
+    assert jax.jit(lambda x: x * 2)(21) == 42  # and it compiles
+
+
+def test_an_unwritable_default_folder_warns_too(tmp_path, monkeypatch, no_cache_yet):
+    monkeypatch.setenv("HOME", str(a_file(tmp_path) / "home"))
+    monkeypatch.delenv(_compile_cache.ENV, raising=False)
+    with pytest.warns(RuntimeWarning, match=_compile_cache.ENV):
+        assert lsgd_jax.use_compilation_cache() is None
+    monkeypatch.setenv(_compile_cache.ENV, str(tmp_path / "from_env"))  # the remedy named
+    assert lsgd_jax.use_compilation_cache() == str(tmp_path / "from_env")
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "from_env")
+
+
+def test_a_usable_folder_is_made_and_set(tmp_path, no_cache_yet):
+    folder = tmp_path / "new" / "cache"
+    assert lsgd_jax.use_compilation_cache(folder, min_compile_time_s=0.5) == str(folder)
+    assert folder.is_dir() and not any(folder.iterdir())  # the write check left nothing
+    assert jax.config.jax_compilation_cache_dir == str(folder)
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.5
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"min_compile_time_s": "1"}, TypeError, "min_compile_time_s must be a real number, got '"),
+        ({"min_compile_time_s": math.nan}, ValueError, "min_compile_time_s must be a finite"),
+        ({"min_compile_time_s": math.inf}, ValueError, "min_compile_time_s must be a finite"),
+        ({"min_compile_time_s": -1}, ValueError, "min_compile_time_s must be >= 0 seconds"),
+        ({"min_compile_time_s": True}, TypeError, "min_compile_time_s must be a real number"),
+        ({"directory": 3}, TypeError, "directory must be a folder's path"),
+        ({"directory": ""}, ValueError, "directory is an empty path"),
+    ],
+)
+def test_bad_arguments_are_refused_before_the_folder_is_made(tmp_path, kwargs, error, message):
+    # Before: "1" failed with "'<' not supported" after the folder was made, NaN was
+    # accepted, and none of them was checked where JAX's cache was already set.
+    folder = tmp_path / "not_made"
+    kwargs = {"directory": folder, **kwargs}
+    with pytest.raises(error, match=f"^use_compilation_cache: {message}"):
+        lsgd_jax.use_compilation_cache(**kwargs)  # the conftest's cache is set
+    assert not folder.exists()
+
+
+@pytest.mark.slow
+def test_the_demo_runs_with_an_unwritable_home(tmp_path):
+    # Before: the demo exited with status 1 (NotADirectoryError) before its first step.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env.pop(_compile_cache.ENV, None)
+    env["HOME"] = str(a_file(tmp_path) / "home")
+    out = subprocess.run(
+        [sys.executable, "-m", "lsgd_jax.demo", "--steps", "3", "--start", "1", "--periods", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    folder = pathlib.Path(env["HOME"]) / ".cache/lsgd_jax/jax-compilation-cache"
+    assert out.stderr.count(f"cannot keep compiled programs in {folder}") == 1, out.stderr
+    assert "post-local SGD, H=2" in out.stdout
 
 
 def backend_compiles(fn):

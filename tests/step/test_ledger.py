@@ -1,5 +1,6 @@
 """The byte ledger against counts made by hand from the schedule and the leaf sizes."""
 
+import jax
 import jax.numpy as jnp
 import optax
 import pytest
@@ -182,3 +183,74 @@ def test_a_step_with_one_program_and_bad_arguments():
         lsgd_jax.communication_ledger(lambda x: x, num_steps=3)
     with pytest.raises(ValueError, match="num_steps must be a positive int"):
         ledger_for(tx, 0)
+
+
+def ddp_bytes_per_step():
+    """A DDP step by hand: one all-reduce of the gradients and the loss over all 8."""
+    return 4 * N + LOSS
+
+
+@pytest.mark.parametrize("specialize", [True, "switch", False])
+def test_plain_ddp_is_labelled_ddp(specialize):
+    # Before: the one program of a chain without post_local_sgd (nothing phased) was
+    # labelled "switch" (or "cond"), words for a branch it does not have.
+    _, ledger = ledger_for(optax.sgd(0.1), 3, specialize=specialize)
+    assert ledger.steps == ("ddp",) * 3 and list(ledger.phases) == ["ddp"]
+    assert ledger.exact and ledger.per_step().tolist() == [ddp_bytes_per_step()] * 3
+    assert str(ledger).splitlines()[2].split()[:2] == ["ddp", "3"]
+
+
+def test_a_hook_that_never_switches_is_charged_as_ddp():
+    # DDP spelled with a hook whose switch lies beyond the run: every step takes the
+    # hook's global phase (1, as before the switch of any post-local run), same bytes
+    tx = optax.chain(lsgd_jax.post_local_sgd(10**6), optax.sgd(0.1))
+    _, ledger = ledger_for(tx, 3)
+    assert ledger.steps == (1, 1, 1)
+    assert ledger.per_step().tolist() == [ddp_bytes_per_step()] * 3
+    _, ddp = ledger_for(optax.sgd(0.1), 3)
+    assert ledger.link_total() == ddp.link_total()
+
+
+def test_inner_axes_the_mesh_lacks_are_refused():
+    # Before: inner_axes="nodes" (meant "local") reported every collective as crossing
+    # nodes: [1028, 1028, 2052, ...] bytes a step, a link total of 92,496 for 10,836.
+    mesh = mesh_2x4()
+    tx = post_local_tx()
+    step = lsgd_jax.data_parallel_step(lambda p, b: jnp.mean((b @ p) ** 2), tx, mesh)
+    args = (
+        lsgd_jax.replicate(jnp.zeros(N), mesh),
+        lsgd_jax.replicate(tx.init(jnp.zeros(N)), mesh),
+        jnp.ones((8, N)),
+    )
+    said = r"mesh's axes are \('node', 'local'\)"
+    for typo in ["nodes", ("local", "nodes"), ["nodes"]]:
+        with pytest.raises(ValueError, match=rf"inner_axes names 'nodes'.*{said}"):
+            lsgd_jax.communication_ledger(step, *args, num_steps=8, inner_axes=typo)
+    for wrong in [3, ("local", 3)]:
+        with pytest.raises(TypeError, match=r"inner_axes must be a mesh axis's name"):
+            lsgd_jax.communication_ledger(step, *args, num_steps=8, inner_axes=wrong)
+    # a bare string is one axis; a list is a tuple; the default is make_mesh's "local"
+    want = lsgd_jax.communication_ledger(step, *args, num_steps=8)
+    assert want.inner_axes == ("local",)
+    for same in ["local", ["local"], ("local",)]:
+        got = lsgd_jax.communication_ledger(step, *args, num_steps=8, inner_axes=same)
+        assert got.inner_axes == ("local",) and got.per_step().tolist() == want.per_step().tolist()
+        assert got.link_total() == want.link_total()
+    # one node (nothing crosses), or every device a node of its own (nothing stays inside)
+    one = lsgd_jax.communication_ledger(step, *args, num_steps=8, inner_axes=("node", "local"))
+    assert one.total() == 0 and one.link_total() == 0 and one.total("inside") == want.total("all")
+    each = lsgd_jax.communication_ledger(step, *args, num_steps=8, inner_axes=())
+    assert each.total("inside") == 0 and each.total() == want.total("all")
+
+
+def test_the_default_inner_axes_on_a_mesh_without_local():
+    # A mesh of the user's own without make_mesh's "local" axis: the default takes each
+    # device for a node (as before), where an explicit "local" is refused.
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    step = lsgd_jax.data_parallel_step(lambda p, b: jnp.mean((b @ p) ** 2), optax.sgd(0.1), mesh)
+    p = lsgd_jax.replicate(jnp.zeros(N), mesh)
+    s = lsgd_jax.replicate(optax.sgd(0.1).init(jnp.zeros(N)), mesh)
+    ledger = lsgd_jax.communication_ledger(step, p, s, jnp.ones((8, N)), num_steps=2)
+    assert ledger.inner_axes == () and ledger.per_step().tolist() == [ddp_bytes_per_step()] * 2
+    with pytest.raises(ValueError, match=r"inner_axes names 'local'.*mesh's axes are \('data',\)"):
+        lsgd_jax.communication_ledger(step, p, s, jnp.ones((8, N)), num_steps=2, inner_axes="local")
