@@ -97,6 +97,7 @@ def setup_cpu_devices(n: int = 8, platform: str = "cpu") -> None:
     """Asks for ``n`` simulated CPU devices (``platform="cpu"``); ``"gpu"`` leaves the
     choice to JAX (its accelerators). Call before JAX starts its backend."""
     if platform == "cpu" and jax.config.jax_platforms in (None, "", "cpu"):
+        os.environ.setdefault("PJRT_NPROC", str(2 * n))
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", n)
 
