@@ -75,10 +75,11 @@ def crossing_nodes(report: Any) -> Any:
 
 
 def setup_cpu_devices(n: int = 8) -> None:
-    """Asks for ``n`` simulated CPU devices; call before JAX starts its backend."""
+    """Asks for ``n`` simulated CPU devices, with the threads they need, unless JAX was
+    told to use another platform (``JAX_PLATFORMS=cuda``); call before JAX starts its
+    backend."""
     if jax.config.jax_platforms in (None, "", "cpu"):
-        jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", n)
+        lsgd_jax.mesh.simulate_cpu_devices(n)
 
 
 @dataclasses.dataclass(frozen=True)

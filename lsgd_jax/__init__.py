@@ -33,11 +33,13 @@ from lsgd_jax.mesh import AxisNotBoundError
 from lsgd_jax.mesh import IndexGroups
 from lsgd_jax.mesh import ReplicasOutOfSyncError
 from lsgd_jax.mesh import assert_replicas_in_sync
+from lsgd_jax.mesh import check_cpu_threads
 from lsgd_jax.mesh import consensus
 from lsgd_jax.mesh import data_axes
 from lsgd_jax.mesh import make_mesh
 from lsgd_jax.mesh import node_groups
 from lsgd_jax.mesh import replicate
+from lsgd_jax.mesh import simulate_cpu_devices
 from lsgd_jax.mesh import step_counters
 from lsgd_jax.mesh import unreplicate
 from lsgd_jax.report import Collective
@@ -92,6 +94,7 @@ __all__ = [
     "assert_replicas_in_sync",
     "averager_states",
     "check_configuration",
+    "check_cpu_threads",
     "comm",
     "communication_ledger",
     "communication_report",
@@ -112,6 +115,7 @@ __all__ = [
     "replicate",
     "restore_checkpoint",
     "save_checkpoint",
+    "simulate_cpu_devices",
     "stacked",
     "step_counters",
     "unreplicate",

@@ -22,6 +22,7 @@ def _setup_devices(n: int) -> None:
     import jax
 
     if jax.config.jax_platforms in (None, "", "cpu"):  # type: ignore[attr-defined]  # not in jax's stubs
+        os.environ.setdefault("PJRT_NPROC", str(2 * n))  # 2 threads a device (see make_mesh)
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", n)
 

@@ -16,6 +16,9 @@ import tempfile
 import jax
 import pytest
 
+# XLA's CPU pool needs 2 threads a device, or a program with collectives can starve
+# (lsgd_jax.simulate_cpu_devices does the same; docs/training_loops.md says why).
+os.environ.setdefault("PJRT_NPROC", "16")
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
 

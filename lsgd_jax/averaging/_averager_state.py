@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from lsgd_jax._core import _leaves
 from lsgd_jax._core import _state_protocol as sp
 from lsgd_jax._core._struct import pytree_dataclass
 
@@ -143,6 +144,8 @@ def initial_state(averager: Any, params: Any = None) -> ModelAveragerState:
     they are missing); a callable period keeps the step of the last average; the
     communication strategy its own state.
     """
+    if params is not None:  # a function or a flag of a whole model object: named here
+        _leaves.refuse_non_arrays(params, f"{type(averager).__name__}: init(params)")
     state = ModelAveragerState(step=jnp.zeros([], jnp.int32), averager=averager)
     if averager.needs_params and params is None:
         raise ValueError(

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from lsgd_jax._core import _collectives, _validate
+from lsgd_jax._core import _collectives, _leaves, _validate
 from lsgd_jax._core import _state_protocol as sp
 from lsgd_jax._core._collectives import GroupSpec
 from lsgd_jax._core._struct import pytree_dataclass
@@ -139,10 +139,16 @@ class PostLocalSGDState(sp.PhasedState):
 
         Args:
           params: the params (or any tree shaped like the gradients); needed only when
-            the strategy keeps error feedback.
+            the strategy keeps error feedback. Every leaf must be an array or a Python
+            number (integer leaves are kept out of the means).
 
         Returns:
           A new PostLocalSGDState.
+
+        Raises:
+          TypeError: a leaf of ``params`` is not an array (a function, a bool: what a
+            whole model object holds besides its params); the message names the leaf
+            and the fix (``eqx.partition(model, eqx.is_inexact_array)``).
 
         Example:
           >>> import jax.numpy as jnp, lsgd_jax
@@ -151,6 +157,8 @@ class PostLocalSGDState(sp.PhasedState):
           >>> state.init({"w": jnp.ones(3)}).comm_state
           {'w': Array([0., 0., 0.], dtype=float32)}
         """
+        if params is not None:
+            _leaves.refuse_non_arrays(params, "post_local_sgd: init(params)")
         fresh = jnp.zeros([], jnp.int32)
         if not keeps_residual(self.communication):
             return self.replace(iter=fresh, comm_state=None)

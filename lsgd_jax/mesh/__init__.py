@@ -1,5 +1,5 @@
-"""Meshes, replicas and groups: one row of devices per node, per-replica values, and
-the checks that replicas agree."""
+"""Meshes, replicas and groups: one row of devices per node, per-replica values, the
+checks that replicas agree, and simulated CPU devices with the threads they need."""
 
 from lsgd_jax._core._collectives import AxisNotBoundError
 from lsgd_jax._core._collectives import IndexGroups
@@ -12,17 +12,21 @@ from lsgd_jax.mesh._mesh import unreplicate
 from lsgd_jax.mesh._sync import ReplicasOutOfSyncError
 from lsgd_jax.mesh._sync import assert_replicas_in_sync
 from lsgd_jax.mesh._sync import step_counters
+from lsgd_jax.mesh._threads import check_cpu_threads
+from lsgd_jax.mesh._threads import simulate_cpu_devices
 
 __all__ = [
     "AxisNotBoundError",
     "IndexGroups",
     "ReplicasOutOfSyncError",
     "assert_replicas_in_sync",
+    "check_cpu_threads",
     "consensus",
     "data_axes",
     "make_mesh",
     "node_groups",
     "replicate",
+    "simulate_cpu_devices",
     "step_counters",
     "unreplicate",
 ]

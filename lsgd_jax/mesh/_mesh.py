@@ -11,7 +11,8 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.tree_util import tree_flatten_with_path
 
-from lsgd_jax._core import _validate
+from lsgd_jax._core import _leaves, _validate
+from lsgd_jax.mesh import _threads
 
 NODE_AXIS = "node"
 LOCAL_AXIS = "local"
@@ -51,6 +52,10 @@ def make_mesh(
         :func:`data_parallel_step` work with either; pass
         ``(jax.sharding.AxisType.Explicit,) * 2`` for explicit-sharding code.
 
+    On simulated CPU devices it warns (once a process) when XLA's CPU thread pool is
+    too small for the mesh, which can abort the process in a collective, and names the
+    remedy (:func:`check_cpu_threads`).
+
     Returns:
       A ``jax.sharding.Mesh`` of shape ``(num_nodes, devices_per_node)``.
 
@@ -83,7 +88,9 @@ def make_mesh(
     grid = np.array(devs[:n], dtype=object).reshape(nodes, per_node)
     _check_node_rows(grid)
     kwargs = {} if axis_types is None else {"axis_types": axis_types}
-    return Mesh(grid, (NODE_AXIS, LOCAL_AXIS), **kwargs)
+    mesh = Mesh(grid, (NODE_AXIS, LOCAL_AXIS), **kwargs)
+    _threads.check_cpu_threads(mesh)
+    return mesh
 
 
 def _check_node_rows(grid: np.ndarray) -> None:
@@ -152,6 +159,17 @@ def replicate(
     params' shards) and model state alike, and build the step with
     ``data_parallel_step(..., fsdp_axes=shard_over)``.
 
+    Every leaf must be an array: a function or another object (a whole Equinox module
+    holds its activation), or a Python bool (a flag such as Dropout's ``inference``), is
+    refused with an error naming the leaf and how to keep the model's non-array parts
+    out (``eqx.partition(model, eqx.is_inexact_array)``); ``None`` leaves (what
+    ``eqx.partition`` leaves in their place) are empty subtrees and pass. A Python int,
+    float or complex is replicated like an array (plain JAX takes it as a weakly typed
+    scalar) with a warning naming it, since in a model it is more often a setting (a
+    dropout rate) than a value to train; pass ``jnp.asarray(x)`` to say it is one.
+    Like :func:`make_mesh`, it warns (once a process) when simulated CPU devices have
+    too few threads for ``mesh`` (:func:`check_cpu_threads`).
+
     Args:
       tree: a pytree of arrays (the same on every process).
       mesh: the mesh, e.g. from :func:`make_mesh`.
@@ -160,6 +178,10 @@ def replicate(
 
     Returns:
       The pytree with replicated, sharded leaves.
+
+    Raises:
+      TypeError: ``mesh`` is not a ``jax.sharding.Mesh``; or a leaf is neither an array
+        nor a number, or is a Python bool (the message names the leaf).
 
     Example:
       >>> import jax.numpy as jnp, lsgd_jax
@@ -175,9 +197,18 @@ def replicate(
     from lsgd_jax.averaging import _offload
     from lsgd_jax.mesh import _fsdp
 
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"replicate: mesh must be a jax.sharding.Mesh, got {mesh!r} "
+            f"({type(mesh).__name__}); pass the mesh to lay the replicas on, e.g. "
+            "replicate(params, lsgd_jax.make_mesh())."
+        )
     axes = tuple(axes) if axes is not None else data_axes(mesh)
     inside = _fsdp.check_axes(mesh, axes, shard_over, "replicate: shard_over")
     n = _num_replicas(mesh, axes)
+    _leaves.refuse_non_arrays(tree, "replicate")
+    _leaves.name_python_numbers(tree, "replicate", n)
+    _threads.check_cpu_threads(mesh)  # a mesh not from make_mesh: warned here, once
 
     def one(x, memory_kind=None):
         host = np.asarray(x)
@@ -345,7 +376,7 @@ def unreplicate(tree: Any) -> Any:
       TypeError: unreplicate: leaf ['step'] is 5 (int), not an array with a leading ...
     """
     _per_replica(tree, "unreplicate")
-    return jax.tree.map(lambda x: x[0], tree)
+    return _one_program_per_devices(tree, _first_replicas, lambda x: x[0])
 
 
 def consensus(tree: Any) -> Any:
@@ -394,14 +425,47 @@ def consensus(tree: Any) -> Any:
       ...
       ValueError: consensus: leaf ['b'] has shape (3,), but per-replica values have a ...
     """
+    _per_replica(tree, "consensus")
+    return _one_program_per_devices(tree, _replica_means, _replica_mean)
+
+
+def _replica_mean(x: Any) -> Any:
     import jax.numpy as jnp
 
-    _per_replica(tree, "consensus")
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return x[0]
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    return jnp.mean(x.astype(acc), axis=0).astype(x.dtype)
 
-    def one(x):
-        if not jnp.issubdtype(x.dtype, jnp.inexact):
-            return x[0]
-        acc = jnp.promote_types(x.dtype, jnp.float32)
-        return jnp.mean(x.astype(acc), axis=0).astype(x.dtype)
 
-    return jax.tree.map(one, tree)
+@jax.jit
+def _replica_means(leaves: list[Any]) -> list[Any]:
+    return [_replica_mean(x) for x in leaves]
+
+
+@jax.jit
+def _first_replicas(leaves: list[Any]) -> list[Any]:
+    return [x[0] for x in leaves]
+
+
+def _one_program_per_devices(tree: Any, program: Any, one: Any) -> Any:
+    """``one`` applied to every leaf of ``tree``: the JAX arrays of each set of devices
+    in one call of the jitted ``program`` (one launch for the whole tree, not one or
+    more a leaf), the other leaves (NumPy) one by one.
+
+    On simulated CPU devices a burst of small programs with collectives, one a leaf,
+    could fill XLA's per-device queues and abort the process in its rendezvous
+    (see :func:`check_cpu_threads`); one program for the tree is also faster.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    out = list(leaves)
+    groups: dict[Any, list[int]] = {}
+    for i, x in enumerate(leaves):
+        if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+            out[i] = one(x)  # traced (already inside a program) or on the host
+        else:
+            groups.setdefault(frozenset(x.sharding.device_set), []).append(i)
+    for idx in groups.values():
+        for i, y in zip(idx, program([leaves[i] for i in idx])):
+            out[i] = y
+    return jax.tree.unflatten(treedef, out)

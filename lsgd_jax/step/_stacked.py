@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from lsgd_jax._core import _validate
+from lsgd_jax.mesh import check_cpu_threads
 from lsgd_jax.mesh._mesh import data_axes
 from lsgd_jax.step import _preflight
 
@@ -44,12 +45,9 @@ def stacked(
     loss may be mapped over the replica axis with ``jax.vmap`` (see
     ``data_parallel_step(..., lowering="jit")``, which does exactly this).
 
-    In a loop of such steps on CPU with simulated devices, keep at most two steps in
-    flight (wait for the loss of the step before last) or set ``PJRT_NPROC`` to twice
-    the devices before JAX starts: with more queued, XLA's CPU client can leave a
-    device of a step without a thread and abort the process after 40 s ("Termination
-    timeout ... Expected 8 threads to join the rendezvous"). See "At most two steps in
-    flight" in docs/training_loops.md.
+    On CPU with simulated devices, give XLA's pool two threads a device
+    (:func:`simulate_cpu_devices`; "Threads for simulated CPU devices" in
+    docs/training_loops.md), and keep at most two steps in flight in your loop.
 
     Args:
       tx: the optimizer, e.g. ``optax.chain(post_local_sgd(...), optimizer,
@@ -77,6 +75,7 @@ def stacked(
     """
     axes = tuple(axes) if axes is not None else data_axes(mesh)
     check_order = _validate.boolean(check_order, "check_order")
+    check_cpu_threads(mesh)  # warns once if XLA's CPU pool is too small for the devices
     _preflight.check_tx(tx, mesh, axes, "stacked", check_order)
     rep = P(axes)
     manual = frozenset(axes)

@@ -18,7 +18,7 @@ import optax
 from jax.sharding import Mesh
 
 from lsgd_jax._core import _validate
-from lsgd_jax.mesh import _fsdp
+from lsgd_jax.mesh import _fsdp, check_cpu_threads
 from lsgd_jax.mesh._mesh import _num_replicas, data_axes
 from lsgd_jax.mesh._sync import assert_replicas_in_sync
 from lsgd_jax.report._report import communication_report
@@ -103,17 +103,9 @@ def data_parallel_step(
       donate: donate the params, model state and optimizer state buffers.
       max_in_flight: at most this many dispatched steps run ahead of the host (the step
         waits for the loss of the step that many calls back; 2 was no slower than 8 on
-        CPU). Keep it small on CPU: XLA's CPU client runs each device's part of a
-        program on a pool of ``max(cores, devices)`` threads (8 simulated devices on 2
-        cores: one thread per device, none spare) and queues at most 32 programs per
-        device; once a device's queue is full, the launch of the next program waits for
-        room on a pool thread, a device of the running program gets no thread, the
-        others wait in its collective and the process aborts after 40 s ("Termination
-        timeout for all reduce ... Expected 8 threads to join the rendezvous"). Seen
-        with the old default of 8. ``PJRT_NPROC=<2 x devices>`` in the environment
-        before JAX starts gives the pool spare threads. A loop of your own needs the
-        same bound: "At most two steps in flight" in docs/training_loops.md. None: no
-        limit.
+        CPU). None: no limit. On CPU with simulated devices, also give XLA's pool two
+        threads a device (:func:`simulate_cpu_devices`; "Threads for simulated CPU
+        devices" in docs/training_loops.md): the step warns when it is built if not.
       specialize: how the step's branches are compiled. ``"phase"`` (default; ``True`` is
         its alias): one program per phase (global or node-local gradient mean, times each
         averaging level; see :func:`phase_index`), compiled when that phase first occurs and
@@ -212,6 +204,7 @@ def data_parallel_step(
       0.004
     """
     axes = _step_inputs.check_axes(mesh, axes if axes is not None else data_axes(mesh))
+    check_cpu_threads(mesh)  # warns once if XLA's CPU pool is too small for the devices
     specialize = _step_inputs.check_modes(specialize, lowering, overlap)
     has_aux, with_model_state, donate = (
         _validate.boolean(value, f"data_parallel_step: {name}")

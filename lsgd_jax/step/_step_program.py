@@ -27,7 +27,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lsgd_jax._core import _collectives
+from lsgd_jax._core import _collectives, _leaves
 from lsgd_jax._core import _state_protocol as sp
 from lsgd_jax.averaging import _outer
 from lsgd_jax.averaging._averager_state import ModelAveragerState
@@ -79,6 +79,8 @@ def check_when_built(spec: StepSpec, example_params: Any = None) -> None:
     checked at the first call.
     """
     what = "data_parallel_step"
+    if example_params is not None:
+        _leaves.refuse_non_floating(example_params, what)
     state = _preflight.check_tx(
         spec.tx, spec.mesh, spec.axes, what, spec.check_order, example_params
     )
@@ -89,6 +91,7 @@ def check_when_built(spec: StepSpec, example_params: Any = None) -> None:
 def check_at_first_call(spec: StepSpec, params: Any, opt_state: Any) -> None:
     """The build check again on the params and optimizer state of the first call
     (per-replica, abstract shapes are enough), before any step runs."""
+    _leaves.refuse_non_floating(params, "data_parallel_step")  # jax.grad needs floats
     _preflight.check_model(
         spec.tx, spec.mesh, spec.axes, "data_parallel_step", spec.check_order, params, opt_state
     )

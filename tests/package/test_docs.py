@@ -25,7 +25,13 @@ def python_blocks(text):
 
 def test_the_pages_have_code_to_run():
     runnable = [p for p in PAGES if python_blocks((DOCS / p).read_text())]
-    assert {"getting_started.md", "training_loops.md", "flax.md", "checkpoints.md"} <= set(runnable)
+    assert {
+        "getting_started.md",
+        "training_loops.md",
+        "flax.md",
+        "equinox.md",
+        "checkpoints.md",
+    } <= set(runnable)
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -58,22 +64,28 @@ def test_the_api_reference_names_every_public_name():
 
 
 def test_the_install_commands_bring_what_the_pages_need():
-    # flax.md imports Flax; checkpoints.md's functions import orbax-checkpoint. Each page
-    # says which extra to install, and getting_started.md (as README) installs both.
+    # flax.md imports Flax, equinox.md Equinox; the checkpoint functions (checkpoints.md,
+    # equinox.md's last section) import orbax-checkpoint. Each page says which extra to
+    # install, the test extra (which runs the pages) has them too, and
+    # getting_started.md (as README) installs both extras.
     pyproject = tomllib.loads((DOCS.parent / "pyproject.toml").read_text())
     extras = pyproject["project"]["optional-dependencies"]
     for page, extra, dist in [
         ("flax.md", "examples", "flax"),
+        ("equinox.md", "examples", "equinox"),
+        ("equinox.md", "checkpoint", "orbax-checkpoint"),
         ("checkpoints.md", "checkpoint", "orbax-checkpoint"),
     ]:
         assert f'pip install -e ".[{extra}]"' in (DOCS / page).read_text(), page
-        assert any(re.match(rf"{dist}\b", d) for d in extras[extra]), (extra, dist)
+        for needed_by in (extra, "test"):
+            assert any(re.match(rf"{dist}\b", d) for d in extras[needed_by]), (needed_by, dist)
     assert 'pip install -e ".[examples,checkpoint]"' in (DOCS / "getting_started.md").read_text()
 
 
 def test_the_hand_written_loops_keep_at_most_two_steps_in_flight():
-    # training_loops.md, "At most two steps in flight": a loop of jitted steps on
-    # simulated CPU devices that never waits can abort in XLA's rendezvous.
+    # training_loops.md, "Threads for simulated CPU devices": a loop of jitted steps on
+    # simulated CPU devices that never waits fills XLA's queues, which with too few
+    # threads aborts the process in XLA's rendezvous.
     for code in python_blocks((DOCS / "training_loops.md").read_text()):
         if re.search(r"^for .* in range", code, flags=re.M):
             assert "in_flight.popleft().block_until_ready()" in code, code
