@@ -50,6 +50,7 @@ from lsgd_jax.schedules import HierarchicalSchedule
 from lsgd_jax.schedules import PeriodicSchedule
 from lsgd_jax.step import DataParallelStep
 from lsgd_jax.step import Ledger
+from lsgd_jax.step import ModelShapeError
 from lsgd_jax.step import PhaseBytes
 from lsgd_jax.step import communication_ledger
 from lsgd_jax.step import averager_states
@@ -83,6 +84,7 @@ __all__ = [
     "HierarchicalSchedule",
     "IndexGroups",
     "Ledger",
+    "ModelShapeError",
     "ModelAveragerState",
     "PeriodicModelAverager",
     "PeriodicSchedule",

@@ -161,3 +161,34 @@ def stablehlo_module(source: Any) -> Any:
         if isinstance(source, str):
             return ir.Module.parse(source)
         return source.mlir_module(serialized=False)
+
+
+def chain_inits(init: Any) -> tuple[Any, ...] | None:
+    """The init functions of the transformations an ``optax.chain`` is made of, given
+    the chain's ``init``; None for any other init.
+
+    optax keeps them in the closure of its ``init_fn`` (``init_fns``); no public API
+    says what a chain holds. The chain-order check uses it to know which tuples of an
+    optimizer state are chains (a transformation's own state may be a tuple too).
+
+    Example:
+      >>> import optax
+      >>> from lsgd_jax._core import _compat
+      >>> len(_compat.chain_inits(optax.chain(optax.clip(1.0), optax.sgd(0.1)).init))
+      2
+      >>> _compat.chain_inits(optax.clip(1.0).init) is None
+      True
+    """
+    code = getattr(init, "__code__", None)
+    if (
+        code is None
+        or getattr(init, "__qualname__", "") != "chain.<locals>.init_fn"
+        or not str(getattr(init, "__module__", "")).startswith("optax")
+    ):
+        return None
+    cells = dict(zip(code.co_freevars, getattr(init, "__closure__", None) or ()))
+    try:
+        inits = cells["init_fns"].cell_contents
+    except (KeyError, ValueError):
+        return None
+    return tuple(inits) if isinstance(inits, (tuple, list)) else None

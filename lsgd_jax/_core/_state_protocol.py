@@ -205,7 +205,18 @@ def read_through(tree: Any) -> Any:
                 "optimizer.opt_state (or the nnx.Optimizer itself)."
             )
         return tree
-    return getattr(tree, "opt_state", tree)  # an nnx.Optimizer
+    if not hasattr(tree, "opt_state"):
+        return tree
+    # an nnx.Optimizer: its optax state, each NNX variable replaced by its value
+    return jax.tree.map(_value, tree.opt_state, is_leaf=_is_nnx_variable)
+
+
+def _is_nnx_variable(x: Any) -> bool:
+    return (type(x).__module__ or "").startswith("flax.nnx") and hasattr(x, "value")
+
+
+def _value(x: Any) -> Any:
+    return x.value if _is_nnx_variable(x) else x
 
 
 def leaf_roles(tree: Any) -> list[str | None]:

@@ -1,5 +1,6 @@
 """The training step: data_parallel_step, its phases and programs, and what it checks."""
 
+from lsgd_jax._core._errors import ModelShapeError
 from lsgd_jax.step._compile_cache import use_compilation_cache
 from lsgd_jax.step._ledger import Ledger
 from lsgd_jax.step._ledger import PhaseBytes
@@ -15,6 +16,7 @@ from lsgd_jax.step._step import data_parallel_step
 
 __all__ = [
     "Ledger",
+    "ModelShapeError",
     "PhaseBytes",
     "DataParallelStep",
     "averager_states",

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from lsgd_jax._core import _compat
 from lsgd_jax._core import _state_protocol as sp
 
 _NAMES = {"PostLocalSGDOptimizerState": "post_local_sgd_optimizer"}  # ours that wrap ours
@@ -37,20 +38,44 @@ class Place(NamedTuple):
     chains: tuple[tuple[Any, int], ...]
 
 
-def _is_chain(x: Any) -> bool:
+def _is_chain(x: Any, known: bool = False) -> bool:
     """An optax.chain (plain tuple) or named_chain (OrderedDict) state: a sequence of
-    transformation states. A transformation's state may be a bare array, so a sequence
-    that holds bare arrays is a chain when at least two of its items are not: a wrapper
-    of one's own that keeps ``(inner_state, count)`` holds one state beside its counts.
-    (A dict such as ``{"inner": ..., "n": ...}`` is never a chain.)"""
-    if isinstance(x, (tuple, list)) and not hasattr(x, "_fields"):
-        items = list(x)
-    elif isinstance(x, collections.OrderedDict):
-        items = list(x.values())
-    else:
+    transformation states. ``known``: the optimizer says this tuple is a chain's (see
+    :func:`chain_paths`). Otherwise a transformation's state may itself be a tuple (a
+    wrapper of one's own keeping ``(inner_state, count)``), so a tuple that holds bare
+    arrays is taken for a chain only when two or more of its items are not bare."""
+    if isinstance(x, collections.OrderedDict):
+        return True
+    if not isinstance(x, (tuple, list)) or hasattr(x, "_fields"):
         return False
-    bare = sum(isinstance(c, (jax.Array, np.ndarray, np.generic, int, float)) for c in items)
-    return not bare or len(items) - bare >= 2
+    if known:
+        return True
+    bare = sum(isinstance(c, (jax.Array, np.ndarray, np.generic, int, float)) for c in x)
+    return not bare or len(x) - bare >= 2
+
+
+def chain_paths(tx: Any) -> frozenset[tuple[int, ...]]:
+    """Where ``tx``'s state holds ``optax.chain`` states: each an index path from the
+    root through chains (``()``: the root), as far as chains nest directly in chains.
+
+    Example:
+      >>> import optax
+      >>> from lsgd_jax.step import _chain_order
+      >>> tx = optax.chain(optax.chain(optax.clip(1.0)), optax.sgd(0.1))
+      >>> sorted(_chain_order.chain_paths(tx))
+      [(), (0,), (1,)]
+    """
+    found: set[tuple[int, ...]] = set()
+
+    def walk(init: Any, path: tuple[int, ...]) -> None:
+        inits = _compat.chain_inits(init)
+        if inits is not None:
+            found.add(path)
+            for i, sub in enumerate(inits):
+                walk(sub, (*path, i))
+
+    walk(getattr(tx, "init", None), ())
+    return frozenset(found)
 
 
 def _children(x: Any) -> list[Any]:
@@ -64,8 +89,9 @@ def _children(x: Any) -> list[Any]:
     return list(x) if isinstance(x, (tuple, list)) else []
 
 
-def places(opt_state: Any) -> Iterator[Place]:
-    """Every hook and averager state of ``opt_state`` with the chains around it.
+def places(opt_state: Any, chains: frozenset = frozenset()) -> Iterator[Place]:
+    """Every hook and averager state of ``opt_state`` with the chains around it
+    (``chains``: :func:`chain_paths` of the optimizer, where known).
 
     Example:
       >>> import optax, lsgd_jax
@@ -76,21 +102,24 @@ def places(opt_state: Any) -> Iterator[Place]:
       [('PostLocalSGDState', [1])]
     """
 
-    def walk(x: Any, chains: tuple) -> Iterator[Place]:
+    def walk(x: Any, chains_around: tuple, path: tuple[int, ...] | None) -> Iterator[Place]:
+        x = sp.read_through(x)  # an nnx.Optimizer: its optax state
         if sp.is_state(x):
-            yield Place(x, chains)
-        elif _is_chain(x):
+            yield Place(x, chains_around)
+        elif _is_chain(x, known=path in chains):
             for i, child in enumerate(_items(x)):
-                yield from walk(child, (*chains, (x, i)))
+                inner = (*path, i) if path is not None else None
+                yield from walk(child, (*chains_around, (x, i)), inner)
         else:
             for child in _children(x):
-                yield from walk(child, chains)
+                yield from walk(child, chains_around, None)
 
-    yield from walk(opt_state, ())
+    yield from walk(opt_state, (), ())
 
 
-def describe(x: Any) -> str:
-    """A chain state as the order of its transformations, by their state types.
+def describe(x: Any, chain: bool = False) -> str:
+    """A chain state as the order of its transformations, by their state types
+    (``chain``: ``x`` is known to be a chain's state).
 
     Example:
       >>> import optax, lsgd_jax
@@ -105,9 +134,9 @@ def describe(x: Any) -> str:
         return "model_averaging"
     if _NAMES.get(type(x).__name__):
         return _NAMES[type(x).__name__]
-    if _is_chain(x) and isinstance(x, dict):
+    if _is_chain(x, chain) and isinstance(x, dict):
         return "named_chain(" + ", ".join(f"{k}={describe(v)}" for k, v in x.items()) + ")"
-    if _is_chain(x):
+    if _is_chain(x, chain):
         return "chain(" + ", ".join(describe(c) for c in x) + ")"
     inner = [describe(c) for c in _children(x) if _holds_ours(c)]
     name = type(x).__name__
@@ -131,11 +160,12 @@ def _misplaced(place: Place, want_first: bool) -> tuple[Any, int] | None:
     return None
 
 
-def check(opt_state: Any) -> None:
+def check(opt_state: Any, tx: Any = None) -> None:
     """Raises a ValueError when something comes before the hook or after the averaging.
 
     Args:
       opt_state: an optax state (per-replica or not).
+      tx: the optimizer, if known: where its state holds chains is then read from it.
 
     Raises:
       ValueError: with the order found and the order wanted.
@@ -151,7 +181,7 @@ def check(opt_state: Any) -> None:
       ...
       ValueError: model_averaging must come last in the optax.chain, ...
     """
-    for place in places(opt_state):
+    for place in places(opt_state, chain_paths(tx)):
         hook = place.state.KIND == sp.HOOK
         found = _misplaced(place, want_first=hook)
         if found is None:
@@ -164,7 +194,7 @@ def check(opt_state: Any) -> None:
         )
         if items[index] is not place.state and _NAMES.get(type(items[index]).__name__):
             ours, holder = describe(items[index]), "it"
-        where = f"{holder} sits at position {index} of {describe(chain)}"
+        where = f"{holder} sits at position {index} of {describe(chain, chain=True)}"
         if hook:
             raise ValueError(
                 f"{ours} must come first in the optax.chain, but {where}: what comes "

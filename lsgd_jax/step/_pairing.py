@@ -30,7 +30,7 @@ def _redundant_levels(hook: Any, averager: Any) -> list[Any]:
     return [g for g in averager.groups if g is not None and _collectives.group_covers(g, subgroup)]
 
 
-def check_configuration(opt_state: Any, *, check_order: bool = True) -> None:
+def check_configuration(opt_state: Any, *, check_order: bool = True, tx: Any = None) -> None:
     """Checks how the post-local SGD pieces of an optimizer state fit together.
 
     Raises when ``model_averaging`` (or ``post_local_sgd_optimizer``) comes before
@@ -62,6 +62,10 @@ def check_configuration(opt_state: Any, *, check_order: bool = True) -> None:
         that is not last, in its chain. Pass False only for an order you compose on
         purpose (e.g. a transformation after the averaging that you know leaves the
         updates alone); an averager before the hook is refused either way.
+      tx: the optimizer whose state this is, if you have it: the check then knows
+        which tuples of the state are ``optax.chain``'s (without it, a tuple holding a
+        bare-array state beside one chain, as in ``optax.chain(optax.chain(hook, opt,
+        averaging), t)``, reads like a wrapper's ``(inner, count)`` and is let through).
 
     Returns:
       None.
@@ -104,7 +108,7 @@ def check_configuration(opt_state: Any, *, check_order: bool = True) -> None:
             "lsgd_jax.post_local_sgd(...), optimizer, lsgd_jax.model_averaging(...))."
         )
     if check_order:
-        _chain_order.check(opt_state)
+        _chain_order.check(opt_state, tx)
     for _, hook in hooks:
         for _, averager in averagers:
             name = type(averager).__name__

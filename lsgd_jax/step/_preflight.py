@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from lsgd_jax._core import _collectives
 from lsgd_jax._core import _state_protocol as sp
+from lsgd_jax._core._collectives import AxisNotBoundError
 from lsgd_jax._core._errors import ModelShapeError
 from lsgd_jax.step import _pairing, _phase
 
@@ -156,7 +157,7 @@ def check_tx(
     else:
         params = abstract(params)
         state = jax.eval_shape(tx.init, params)
-    _pairing.check_configuration(state, check_order=check_order)
+    _pairing.check_configuration(state, check_order=check_order, tx=tx)
     check_phases(tx, mesh, axes, what, state, params, stand_in=stand_in)
     return state
 
@@ -195,8 +196,8 @@ def check_model(
       ...
       lsgd_jax._core._errors.ModelShapeError: demo: the optimizer cannot run on this model ...
     """
-    params, opt_state = jax.tree.map(_one_replica, (params, opt_state))
-    _pairing.check_configuration(opt_state, check_order=check_order)
+    params, opt_state = one_replica((params, opt_state))
+    _pairing.check_configuration(opt_state, check_order=check_order, tx=tx)
     check_phases(tx, mesh, axes, what, opt_state, params)
 
 
@@ -213,8 +214,17 @@ def signature(tree: Any) -> Any:
     return treedef, tuple((np.shape(x), str(x.dtype)) for x in leaves)
 
 
-def _one_replica(x: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype)
+def one_replica(tree: Any) -> Any:
+    """One replica's abstract values of a per-replica ``tree`` (the leading replica
+    axis dropped).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from lsgd_jax.step import _preflight
+      >>> _preflight.one_replica({"w": jnp.zeros((8, 3))})
+      {'w': ShapeDtypeStruct(shape=(3,), dtype=float32)}
+    """
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype), tree)
 
 
 def abstract(tree: Any) -> Any:
@@ -306,6 +316,8 @@ def check_phases(
                 f"({describe_phase(opt_state, index)}); every phase is checked {when}. "
                 f"{hint or error}"
             )
+            if hint:  # an axis the mesh lacks, whatever the error said
+                raise AxisNotBoundError(message) from error
             raise _same_class(error, message) from error
 
 

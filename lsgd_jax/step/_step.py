@@ -236,8 +236,10 @@ def data_parallel_step(
         options,
         check_order,
     )
+    checked = None
     if example_params is not None:
         example_params = _step_inputs.check_example_params(example_params)
+        checked = _preflight.signature(_preflight.abstract(example_params))
     _step_program.check_when_built(spec, example_params)
     return DataParallelStep(
         spec,
@@ -249,7 +251,7 @@ def data_parallel_step(
             check_in_sync_every, "data_parallel_step: check_in_sync_every"
         ),
         compile_ahead=_validate.nonnegative_int(compile_ahead, "data_parallel_step: compile_ahead"),
-        model_checked=example_params is not None,
+        checked_model=checked,
     )
 
 
@@ -286,7 +288,7 @@ class DataParallelStep(_AheadOfTime):
         max_in_flight: int | None,
         check_in_sync_every: int | None,
         compile_ahead: int = 0,
-        model_checked: bool = False,
+        checked_model: Any = None,
     ) -> None:
         self._spec = spec
         self._mesh_processes = len({d.process_index for d in spec.mesh.devices.flat})
@@ -308,7 +310,8 @@ class DataParallelStep(_AheadOfTime):
         self._unchecked: collections.deque = collections.deque()
         self._calls = 0
         self._outputs = _step_inputs.Identity(None, None, None)  # what the last call returned
-        self._model_checked = model_checked  # the build check ran on the user's model
+        self._checked_model = checked_model  # the model the build check ran on, if any
+        self._first_call_checked = False
 
     @property
     def jitted(self) -> Any:
@@ -344,9 +347,9 @@ class DataParallelStep(_AheadOfTime):
         _step_inputs.check_replicated(opt_state, "opt_state", n, spec.mesh, spec.axes)
         if spec.with_model_state:
             _step_inputs.check_replicated(model_state, "model_state", n, spec.mesh, spec.axes)
-        if not self._model_checked:
-            _step_program.check_at_first_call(spec, params, opt_state)
-            self._model_checked = True
+        if not self._first_call_checked:
+            _step_program.check_at_first_call(spec, params, opt_state, self._checked_model)
+            self._first_call_checked = True
 
     def __call__(self, *args: Any) -> tuple[Any, ...]:
         params, model_state, opt_state, batch = self.jit_args(*args)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lsgd_jax._core import _validate
+from lsgd_jax._core import _leaves, _validate
 
 
 def check_axes(mesh: Mesh, axes: Any) -> tuple[str, ...]:
@@ -80,8 +80,8 @@ def check_replicated(tree: Any, what: str, n: int, mesh: Mesh, axes: tuple[str, 
 
 
 def check_example_params(params: Any) -> Any:
-    """``data_parallel_step``'s ``example_params``: a tree of arrays or
-    ``jax.ShapeDtypeStruct`` leaves (one replica's params, no replica axis).
+    """``data_parallel_step``'s ``example_params``: one replica's params (no replica
+    axis), as arrays, ``jax.ShapeDtypeStruct`` leaves or Python floats.
 
     Example:
       >>> import jax.numpy as jnp
@@ -89,16 +89,15 @@ def check_example_params(params: Any) -> Any:
       >>> _step_inputs.check_example_params("params")
       Traceback (most recent call last):
       ...
-      TypeError: data_parallel_step: example_params must be one replica's params ...
+      TypeError: data_parallel_step: example_params: leaf (root) is 'params' (str), not ...
     """
-    leaves = jax.tree.leaves(params)
-    bad = [x for x in leaves if not (hasattr(x, "shape") and hasattr(x, "dtype"))]
-    if not leaves or bad:
+    if not jax.tree.leaves(params):
         raise TypeError(
             "data_parallel_step: example_params must be one replica's params (a tree of "
             "arrays, or of jax.ShapeDtypeStruct, without the replica axis), e.g. the "
-            f"params you pass to replicate; got {params!r:.80}."
+            f"params you pass to replicate; got {params!r:.80}, which holds no values."
         )
+    _leaves.refuse_non_floating(params, "data_parallel_step: example_params")
     return params
 
 

@@ -57,9 +57,9 @@ def averager_states(opt_state: Any) -> list[ModelAveragerState]:
     return cast(list[ModelAveragerState], sp.states(opt_state, sp.AVERAGER))
 
 
-def check_optimizer(opt_state: Any, check_order: bool = True) -> None:
+def check_optimizer(opt_state: Any, check_order: bool = True, tx: Any = None) -> None:
     """How the chain's pieces fit (see check_configuration), and a chain without a hook."""
-    _pairing.check_configuration(opt_state, check_order=check_order)
+    _pairing.check_configuration(opt_state, check_order=check_order, tx=tx)
     if not _pairing.has_hook(opt_state) and averager_states(opt_state):
         raise ValueError(
             "data_parallel_step: the optimizer averages models but has no post_local_sgd "
@@ -85,13 +85,17 @@ def check_when_built(spec: StepSpec, example_params: Any = None) -> None:
         spec.tx, spec.mesh, spec.axes, what, spec.check_order, example_params
     )
     if state is not None:
-        check_optimizer(state, spec.check_order)
+        check_optimizer(state, spec.check_order, spec.tx)
 
 
-def check_at_first_call(spec: StepSpec, params: Any, opt_state: Any) -> None:
+def check_at_first_call(spec: StepSpec, params: Any, opt_state: Any, checked: Any = None) -> None:
     """The build check again on the params and optimizer state of the first call
-    (per-replica, abstract shapes are enough), before any step runs."""
+    (per-replica, abstract shapes are enough), before any step runs; ``checked``: the
+    signature (``_preflight.signature``) of one replica's params it ran on when the
+    step was built (from ``example_params``), for which it is not run again."""
     _leaves.refuse_non_floating(params, "data_parallel_step")  # jax.grad needs floats
+    if checked is not None and _preflight.signature(_preflight.one_replica(params)) == checked:
+        return
     _preflight.check_model(
         spec.tx, spec.mesh, spec.axes, "data_parallel_step", spec.check_order, params, opt_state
     )
@@ -257,7 +261,7 @@ def _replica_body(spec: StepSpec, mode: int | str, work: Callable[..., tuple]) -
         params, model_state, opt_state = jax.tree.map(
             lambda x: x[0], (params, model_state, opt_state)
         )
-        check_optimizer(opt_state, spec.check_order)
+        check_optimizer(opt_state, spec.check_order, spec.tx)
         operands = (params, model_state, opt_state, *rest)
         n = _phase.num_phases(opt_state)
         ok = jnp.ones([], bool)

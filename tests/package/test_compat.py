@@ -74,3 +74,17 @@ def test_importing_the_library_does_not_start_jaxs_backend():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_an_optax_chain_says_what_it_holds():
+    # the chain-order check reads which tuples of a state are optax.chain's from here
+    import optax
+
+    from lsgd_jax._core import _compat
+
+    inner = optax.chain(optax.clip(1.0), optax.scale(2.0))
+    inits = _compat.chain_inits(optax.chain(inner, optax.sgd(0.1)).init)
+    assert inits is not None and len(inits) == 2
+    assert len(_compat.chain_inits(inits[0])) == 2
+    assert _compat.chain_inits(optax.clip(1.0).init) is None
+    assert _compat.chain_inits(lambda p: ()) is None

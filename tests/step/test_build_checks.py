@@ -181,7 +181,7 @@ def test_every_averaging_level_and_strategy_is_checked_on_the_mesh():
     mesh = mesh_2x4()
     pod = lsgd_jax.HierarchicalModelAverager({2: "local", 4: ("pod", "node", "local")}, 4)
     tx = optax.chain(hook(4, post_local_gradient_allreduce=False), optax.sgd(0.1))
-    with pytest.raises(ValueError, match=r"phase 0 .*HierarchicalModelAverager: mesh axis 'pod'"):
+    with pytest.raises(ValueError, match=r"phase 1 .*HierarchicalModelAverager: mesh axis 'pod'"):
         lsgd_jax.data_parallel_step(LOSS, optax.chain(tx, lsgd_jax.model_averaging(pod)), mesh)
     # a two-level strategy whose inner axis the mesh lacks: refused before the warm-up
     two = hook(4, communication=lsgd_jax.comm.quantized(8, two_level=True, inner_axis="gpu"))

@@ -5,6 +5,7 @@ hook and step_counters no counters: a wrong order passed silently. The optimizer
 is read through (its ``opt_state``); its flattened State is refused, naming what to pass.
 """
 
+import jax
 import optax
 import pytest
 from flax import nnx
@@ -44,3 +45,15 @@ def test_its_flattened_state_is_refused_with_what_to_pass():
             check(nnx.state(opt))
     # a model's own state holds no optimizer: nothing to find, no error
     assert lsgd_jax.step_counters(nnx.state(MODEL)) == {}
+
+
+def test_an_optimizer_inside_a_container_is_read_through_too():
+    bad = optimizer(chain(wrong=True))
+    for tree in ({"o": bad}, [bad], (1.0, bad)):
+        with pytest.raises(ValueError, match="post_local_sgd must come first"):
+            lsgd_jax.check_configuration(tree)
+
+
+def test_its_counters_are_arrays():
+    counters = lsgd_jax.step_counters(optimizer(chain(wrong=False)))
+    assert all(isinstance(c, jax.Array) and int(c) == 0 for c in counters.values())

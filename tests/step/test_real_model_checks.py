@@ -156,7 +156,7 @@ def test_an_unbound_axis_keeps_the_librarys_exception_class():
     ):
         with pytest.raises(lsgd_jax.AxisNotBoundError) as e:
             build()
-        assert "phase 0" in str(e.value) and "mesh axis 'pod'" in str(e.value)
+        assert "phase 1" in str(e.value) and "mesh axis 'pod'" in str(e.value)
         assert isinstance(e.value, ValueError)  # what the build check raised before
 
 
@@ -193,3 +193,62 @@ def test_a_bare_array_state_does_not_switch_the_order_check_off():
     right = optax.chain(hook, bare(0.5), optax.sgd(0.1), avg)
     lsgd_jax.check_configuration(right.init(model()))
     lsgd_jax.data_parallel_step(loss_fn, right, mesh_2x4())
+
+
+def test_a_bare_array_state_after_a_nested_chain_is_refused_with_the_optimizer_known():
+    # chain(chain(hook, sgd, averaging), t) is, as a state, (inner, t's array): shaped
+    # like a wrapper's own (inner, count). Given the optimizer, the check reads which
+    # tuples are optax.chain's from it.
+    hook = lsgd_jax.post_local_sgd(2)
+    avg = lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(2, warmup_steps=2))
+    for t in (bare(0.5), optax.GradientTransformation(lambda p: 0, lambda u, s, p=None: (u, s))):
+        wrong = optax.chain(optax.chain(hook, optax.sgd(0.1), avg), t)
+        with pytest.raises(ValueError, match="model_averaging must come last"):
+            lsgd_jax.check_configuration(wrong.init(model()), tx=wrong)
+        with pytest.raises(ValueError, match=r"position 0 of chain\(chain\("):
+            lsgd_jax.data_parallel_step(loss_fn, wrong, mesh_2x4())
+        with pytest.raises(ValueError, match="model_averaging must come last"):
+            lsgd_jax.stacked(wrong, mesh_2x4())
+    named = optax.named_chain(("inner", optax.chain(hook, optax.sgd(0.1), avg)), ("t", bare(2.0)))
+    with pytest.raises(ValueError, match="model_averaging must come last"):
+        lsgd_jax.check_configuration(named.init(model()))
+
+
+def test_example_params_do_not_stand_in_for_the_first_calls_own_arguments():
+    # Built from example_params, the first call skipped its own checks: swapped
+    # arguments or a smaller model met jax's raw errors, without the step's name.
+    mesh, params0 = mesh_2x4(), model()
+    tx = chain(8, period=8)
+    step = lsgd_jax.data_parallel_step(loss_fn, tx, mesh, example_params=params0)
+    p, s = lsgd_jax.replicate(params0, mesh), lsgd_jax.replicate(tx.init(params0), mesh)
+    with pytest.raises(TypeError, match=r"data_parallel_step: leaf \[0\]\.iter is an int32"):
+        step(s, p, batches(1)[0])  # the optimizer state where the params go
+    tiny = {"w": jnp.ones((5,))}
+    step = lsgd_jax.data_parallel_step(loss_fn, tx, mesh, example_params=params0)
+    p, s = lsgd_jax.replicate(tiny, mesh), lsgd_jax.replicate(tx.init(tiny), mesh)
+    with pytest.raises(lsgd_jax.step.ModelShapeError, match=r"data_parallel_step: .* phase"):
+        step(p, s, batches(1)[0])
+
+
+def test_example_params_take_what_replicate_takes_and_name_the_rest():
+    mesh = mesh_2x4()
+    tx = chain(1)
+    lsgd_jax.data_parallel_step(loss_fn, tx, mesh, example_params={"w": jnp.ones(3), "b": 0.5})
+    with pytest.raises(TypeError, match=r"example_params: leaf \['flag'\] is the Python bool"):
+        lsgd_jax.data_parallel_step(
+            loss_fn, tx, mesh, example_params={"w": jnp.ones(3), "flag": True}
+        )
+
+
+def test_an_axis_the_mesh_lacks_is_an_axis_not_bound_error_in_the_phase_that_needs_it():
+    from jax.sharding import AxisType, Mesh
+
+    one_axis = Mesh(np.array(jax.devices()), ("batch",), axis_types=(AxisType.Auto,))
+    tx = optax.chain(lsgd_jax.post_local_sgd(2), optax.sgd(0.1))
+    with pytest.raises(lsgd_jax.AxisNotBoundError, match="phase 0 .*node-local gradient mean"):
+        lsgd_jax.data_parallel_step(loss_fn, tx, one_axis)
+    typo = lsgd_jax.PeriodicModelAverager(2, warmup_steps=2, process_group="nodes")
+    tx = optax.chain(lsgd_jax.post_local_sgd(2), optax.sgd(0.1), lsgd_jax.model_averaging(typo))
+    with pytest.raises(lsgd_jax.AxisNotBoundError) as e:
+        lsgd_jax.data_parallel_step(loss_fn, tx, mesh_2x4())
+    assert "in phase 1 (" in str(e.value) and "an average over ('nodes',)" in str(e.value)
