@@ -122,18 +122,23 @@ def nonnegative_int(value: Any, name: str) -> int:
 
 
 def optional_positive_int(value: Any, name: str) -> int | None:
-    """None, or ``value`` as an int >= 1.
+    """None, or ``value`` as an int >= 1; TypeError for a non-int (a bool included),
+    ValueError for < 1.
 
     Example:
       >>> from lsgd_jax._core import _validate
       >>> _validate.optional_positive_int(None, "max_in_flight") is None
       True
+      >>> _validate.optional_positive_int(True, "max_in_flight")
+      Traceback (most recent call last):
+      ...
+      TypeError: max_in_flight must be a positive int or None, got True (bool); ...
     """
     if value is None:
         return None
     n = _as_int(value)
     if n is None:
-        raise ValueError(_not_int(value, name, optional=True))
+        raise TypeError(_not_int(value, name, optional=True))
     if n < 1:
         raise ValueError(f"{name} must be a positive int or None, got {n}; use 1 or more, or None.")
     return n

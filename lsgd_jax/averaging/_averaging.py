@@ -202,10 +202,14 @@ class PeriodicModelAverager(_Averager):
         step drops ``fragments`` times (Streaming DiLoCo, Douillard et al., 2025).
         ``period`` must be an int divisible by ``fragments``. With ``delta`` or an
         anchor, each fragment's anchor is that fragment at its own last average.
+        Streaming DiLoCo's outer optimizer is not supported: ``fragments`` with an
+        ``outer_optimizer`` is refused (ValueError); use ``fragments`` with a plain
+        average, or an ``outer_optimizer`` on the whole model (``fragments=1``).
         Optimizer-state leaves averaged alongside (``post_local_sgd_optimizer``'s
         ``average_opt_state``) that form a params-shaped part of the state (momentum,
-        Adam's moments) are cut like the params; other leaves, and model state, are
-        averaged whole at every fragment's average.{options}
+        Adam's moments; a mask may leave some of its leaves out) are cut like the
+        params; other leaves, and model state, are averaged whole at every fragment's
+        average.{options}
     Example:
       >>> import lsgd_jax
       >>> avg = lsgd_jax.PeriodicModelAverager(period=4, warmup_steps=2)
@@ -254,7 +258,10 @@ class PeriodicModelAverager(_Averager):
         object.__setattr__(self, "process_group", group)
         if k > 1 and self.outer_optimizer is not None:
             raise ValueError(
-                "fragments with an outer_optimizer is not supported; use one or the other."
+                f"fragments={k} with an outer_optimizer is not supported (Streaming "
+                "DiLoCo's per-fragment outer step is not implemented): use fragments="
+                f"{k} with a plain average (outer_optimizer=None), or the outer_optimizer "
+                "on the whole model (fragments=1)."
             )
 
     @property

@@ -16,6 +16,7 @@ from lsgd_jax import comm
 from lsgd_jax._core import _validate
 from lsgd_jax._core._collectives import Group, GroupSpec
 from lsgd_jax.averaging import _outer
+from lsgd_jax.averaging._diloco import DilocoOuter
 from lsgd_jax.comm import _strategies
 
 # an averager's nonfinite=: PyTorch's behaviour, or a comm.finite_only policy
@@ -152,6 +153,7 @@ def _check_options(self: Any) -> None:
         )
     for flag in ("delta", "outer_skip_first"):
         object.__setattr__(self, flag, _validate.boolean(getattr(self, flag), flag))
+    _check_outer_skip_first(self.outer_optimizer, self.outer_skip_first)
     object.__setattr__(self, "delay", _validate.nonnegative_int(self.delay, "delay"))
     if self.offload_state is not None:  # None and False alike: on the device
         offload = _validate.boolean(self.offload_state, "offload_state")
@@ -160,6 +162,22 @@ def _check_options(self: Any) -> None:
         dtype = comm.compressed(self.communication_dtype).dtype
         object.__setattr__(self, "communication_dtype", dtype)
     _communicator(self)
+
+
+def _check_outer_skip_first(outer: Any, skip_first: bool) -> None:
+    """Refuses a ``diloco_outer`` built for another ``outer_skip_first``: its cool-down
+    counts the updates that value gives, so the run's last update would not be the
+    plain average."""
+    if not isinstance(outer, DilocoOuter) or outer.outer_skip_first == skip_first:
+        return
+    updates = "one more" if skip_first else "one fewer"
+    raise ValueError(
+        f"outer_skip_first={skip_first} here, but the outer_optimizer was built with "
+        f"diloco_outer(..., outer_skip_first={outer.outer_skip_first}): its cool-down "
+        f"counts {updates} outer update than this averager gives it, so the run's last "
+        f"update would not be the plain average. Pass the same value to both, e.g. "
+        f"diloco_outer(..., outer_skip_first={skip_first})."
+    )
 
 
 class _AveragerConfig(abc.ABC):

@@ -83,6 +83,28 @@ def _cooled(cooldown: float, updates: int) -> int:
     return max(1, math.ceil(round(cooldown * updates, 6)))
 
 
+class DilocoOuter(optax.GradientTransformationExtraArgs):
+    """The optax transformation :func:`diloco_outer` returns, carrying the
+    ``outer_skip_first`` it counted its updates with: an averager given it as
+    ``outer_optimizer`` refuses another ``outer_skip_first`` of its own.
+
+    Attributes:
+      outer_skip_first: the value given to ``diloco_outer``.
+    """
+
+    outer_skip_first: bool
+
+    def __new__(
+        cls,
+        init: optax.TransformInitFn,
+        update: optax.TransformUpdateExtraArgsFn,
+        outer_skip_first: bool = True,
+    ) -> DilocoOuter:
+        self = super().__new__(cls, init, update)
+        self.outer_skip_first = outer_skip_first  # beside the tuple's (init, update)
+        return self
+
+
 def diloco_outer(
     num_outer_steps: int,
     learning_rate: float = 0.7,
@@ -90,7 +112,7 @@ def diloco_outer(
     *,
     cooldown: float = 0.3,
     outer_skip_first: bool = True,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
     """DiLoCo's outer optimizer, Nesterov momentum cooling down into a plain average.
 
     Pass it as an averager's ``outer_optimizer``. A run's ``num_outer_steps`` global
@@ -117,12 +139,14 @@ def diloco_outer(
       momentum: the Nesterov momentum before the cool-down (DiLoCo's 0.9), in [0, 1).
       cooldown: the fraction of the updates that cool, in [0, 1] (0: a constant
         ``optax.sgd``, the plain optax transformation).
-      outer_skip_first: the averager's ``outer_skip_first``; pass the same value.
+      outer_skip_first: the averager's ``outer_skip_first``; pass the same value (the
+        averager refuses another one, ValueError, unless ``cooldown=0``).
 
     Numbers may be Python, NumPy or (concrete) JAX scalars.
 
     Returns:
-      An ``optax.GradientTransformation``.
+      An ``optax.GradientTransformationExtraArgs`` (a :class:`DilocoOuter`, which
+      carries ``outer_skip_first``; with ``cooldown=0``, ``optax.sgd``'s own).
 
     Raises:
       TypeError: a value that is not a number of its kind (a bool, an array of another
@@ -170,8 +194,9 @@ def diloco_outer(
             return jnp.ones_like(count, jnp.float32)
         return jnp.clip((count - first + 1) / cooled, 0.0, 1.0)
 
-    return optax.inject_hyperparams(optax.sgd)(
+    tx = optax.inject_hyperparams(optax.sgd)(
         learning_rate=lambda count: lr * (1.0 - ramp(count)) + ramp(count),
         momentum=lambda count: m * (1.0 - ramp(count)),
         nesterov=True,
     )
+    return DilocoOuter(tx.init, tx.update, skip)

@@ -4,7 +4,10 @@ With ``fragments=K`` (Streaming DiLoCo), the floating values of the params, flat
 tree order, are cut into K equal slices; each average sends one. A :class:`_Cut` holds
 the static slices of one fragment for one params tree, and takes or puts them in that
 tree and in trees that hold params-shaped parts (an optimizer state's momentum), so that
-element i of a moment is averaged on the step its param element i is.
+element i of a moment is averaged on the step its param element i is. A part with some
+of the params' leaves left out (None, as ``post_local_sgd_optimizer(average_opt_state=
+<mask>)`` leaves an unchosen leaf, or optax's ``MaskedNode``) is cut the same way, leaf
+by leaf where it holds one.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from lsgd_jax._core import _collectives
 from lsgd_jax._core._errors import ModelShapeError
@@ -90,29 +94,78 @@ class Cut:
 
     def put(self, tree: Any, values: list[Any]) -> Any:
         leaves, treedef = jax.tree.flatten(tree)
-        for (i, lo, hi), v in zip(self.pieces, values):
-            x = leaves[i]
-            flat = jnp.ravel(x).at[lo:hi].set(v.astype(x.dtype))
-            leaves[i] = _collectives.cast_varying(flat.reshape(x.shape), _collectives.vma(x))
-        return jax.tree.unflatten(treedef, leaves)
+        return jax.tree.unflatten(treedef, _put_leaves(leaves, self.pieces, values))
 
-    def _shaped(self, node: Any) -> bool:
-        return jax.tree.structure(node) == self.treedef and _shapes(node) == self.shapes
+    def _layout(self, node: Any) -> tuple[list[Any], Any, tuple[bool, ...]] | None:
+        """``(leaves, treedef, held)`` when ``node`` is shaped like the params, some of
+        their leaves possibly left out (None or ``optax.MaskedNode``): its leaves line up
+        with the params' (``held[i]``: leaf i is there, with the param's shape). None
+        when it is not such a part, or holds none of the params' leaves."""
+        if jax.tree.structure(node) == self.treedef:  # every leaf there
+            leaves, treedef = jax.tree.flatten(node)
+            held = (True,) * len(leaves)
+        else:
+            leaves, treedef = jax.tree.flatten(node, is_leaf=_left_out)
+            if len(leaves) != len(self.shapes) or not any(_left_out(x) for x in leaves):
+                return None
+            gaps = [0 if _left_out(x) else x for x in leaves]  # a leaf where one is left out
+            if jax.tree.structure(jax.tree.unflatten(treedef, gaps)) != self.treedef:
+                return None
+            held = tuple(not _left_out(x) for x in leaves)
+        if not any(held):
+            return None
+        if any(h and jnp.shape(x) != s for h, x, s in zip(held, leaves, self.shapes)):
+            return None
+        return leaves, treedef, held
+
+    def _is_part(self, node: Any) -> bool:
+        return self._layout(node) is not None
 
     def take_aligned(self, tree: Any, params: Any) -> Any:
         del params  # the cut already holds the params' layout
         if tree is None:
             return None
-        nodes = jax.tree.leaves(tree, is_leaf=self._shaped)
-        return [self.take(n) if self._shaped(n) else n for n in nodes]
+        nodes = jax.tree.leaves(tree, is_leaf=self._is_part)
+        out = []
+        for node in nodes:
+            layout = self._layout(node)
+            if layout is None:
+                out.append(node)
+                continue
+            leaves, _, held = layout
+            out.append([jnp.ravel(leaves[i])[lo:hi] for i, lo, hi in self.pieces if held[i]])
+        return out
 
     def put_aligned(self, tree: Any, params: Any, values: Any) -> Any:
         del params
         if tree is None:
             return None
-        nodes, treedef = jax.tree.flatten(tree, is_leaf=self._shaped)
-        new = [self.put(n, v) if self._shaped(n) else v for n, v in zip(nodes, values)]
+        nodes, treedef = jax.tree.flatten(tree, is_leaf=self._is_part)
+        new = []
+        for node, value in zip(nodes, values):
+            layout = self._layout(node)
+            if layout is None:
+                new.append(value)
+                continue
+            leaves, node_def, held = layout
+            pieces = [piece for piece in self.pieces if held[piece[0]]]
+            new.append(jax.tree.unflatten(node_def, _put_leaves(leaves, pieces, value)))
         return jax.tree.unflatten(treedef, new)
+
+
+def _left_out(x: Any) -> bool:
+    """A leaf of the params that a params-shaped part does not hold."""
+    return x is None or isinstance(x, optax.MaskedNode)
+
+
+def _put_leaves(leaves: list[Any], pieces: Any, values: list[Any]) -> list[Any]:
+    """``leaves`` with ``values`` written into the ``(leaf, lo, hi)`` slices ``pieces``."""
+    leaves = list(leaves)
+    for (i, lo, hi), v in zip(pieces, values):
+        x = leaves[i]
+        flat = jnp.ravel(x).at[lo:hi].set(v.astype(x.dtype))
+        leaves[i] = _collectives.cast_varying(flat.reshape(x.shape), _collectives.vma(x))
+    return leaves
 
 
 class Whole:

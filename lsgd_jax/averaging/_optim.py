@@ -171,8 +171,9 @@ def post_local_sgd_optimizer(
         or a callable ``inner_state -> that pytree``, e.g.
         ``lambda s: jax.tree.map(lambda x: jnp.ndim(x) > 0, s)`` (every array but the
         scalar counters). With ``fragments``, chosen parts shaped like the params
-        (momentum, Adam's moments) are averaged element by element with their params;
-        other chosen leaves are averaged whole at every fragment's average. Not with a
+        (momentum, Adam's moments, also with some of their leaves left out by the
+        mask) are averaged element by element with their params; other chosen leaves
+        are averaged whole at every fragment's average. Not with a
         quantized communication (``comm.quantized``: ValueError at construction): its
         blocks would round small entries, such as Adam's second moments, to 0.
 

@@ -18,6 +18,7 @@ import numpy as np
 from lsgd_jax._core import _validate
 from lsgd_jax.elastic import _membership, _process
 from lsgd_jax.elastic._process import CoordinatorLostError
+from lsgd_jax.mesh._threads import simulate_cpu_devices
 from lsgd_jax.step._compile_cache import use_compilation_cache
 
 logger = logging.getLogger("lsgd_jax.elastic")
@@ -65,7 +66,9 @@ def initialize(
       num_processes: processes in the job (a restarted one counts once).
       process_id: this process's index; a restarted process reuses its old index.
       platform: ``"cpu"`` or ``"gpu"``.
-      num_cpu_devices: CPU devices for this process (CPU only; default JAX's).
+      num_cpu_devices: CPU devices for this process (CPU only; default JAX's), with
+        the threads they need (``PJRT_NPROC``, as :func:`lsgd_jax.simulate_cpu_devices`
+        sets it, unless set already).
       local_device_ids: the GPUs this process uses (e.g. ``[process_id]`` for one
         process per GPU on one host); default all it sees.
       heartbeat_timeout_s: seconds without heartbeats after which a process is dead.
@@ -142,8 +145,8 @@ def initialize(
     if platform == "cpu":
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        if num_cpu_devices is not None:
-            jax.config.update("jax_num_cpu_devices", num_cpu_devices)
+        if num_cpu_devices is not None:  # and PJRT_NPROC, the threads the devices need
+            simulate_cpu_devices(num_cpu_devices)
     jax.distributed.initialize(
         coordinator_address=coordinator_address,
         num_processes=num_processes,
@@ -173,7 +176,9 @@ def _check_initialize_args(
         raise ValueError(f"initialize: platform must be 'cpu' or 'gpu', got {platform!r}.")
     _host_port(address)
     n = _validate.positive_int(num_processes, "initialize: num_processes")
-    if not _validate._is_int(process_id) or not 0 <= process_id < n:
+    if not _validate._is_int(process_id):  # a bool, a float, a str: the wrong type
+        raise TypeError(_validate._not_int(process_id, "initialize: process_id"))
+    if not 0 <= process_id < n:
         raise ValueError(
             f"initialize: process_id must be in [0, {n}) for num_processes={n}, got "
             f"{process_id!r}; give each process its own index 0 .. {n - 1} (a restarted "

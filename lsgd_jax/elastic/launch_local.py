@@ -37,6 +37,8 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import os
 import pathlib
 import signal
@@ -51,28 +53,89 @@ __all__ = ["launch", "main", "parse", "worker", "worker_command"]
 MODULE = "lsgd_jax.elastic.launch_local"  # what the workers run (__name__ is __main__ there)
 
 
+def _count(least: int, example: str) -> Any:
+    """An argparse ``type``: an int ``>= least``, else an error naming the value and an
+    example of a good one."""
+
+    def parse_count(text: str) -> int:
+        value: int | None = None
+        with contextlib.suppress(ValueError):
+            value = int(text)
+        if value is None or value < least:
+            wanted = "a positive int" if least == 1 else f"an int >= {least}"
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}; e.g. {example}")
+        return value
+
+    return parse_count
+
+
+def _seconds(example: str) -> Any:
+    """An argparse ``type``: a positive, finite number of seconds."""
+
+    def parse_seconds(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(
+                f"must be a positive number of seconds, got {text!r}; e.g. {example}"
+            )
+        return value
+
+    return parse_seconds
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    """The launcher's (and a worker's) options from ``argv`` (default: ``sys.argv``)."""
+    """The launcher's (and a worker's) options from ``argv`` (default: ``sys.argv``).
+
+    A bad value ends the program with argparse's usage message naming it and a good
+    one (exit status 2): a count below 1 (``--processes``, ``--devices``, ``--nodes``,
+    ``--steps``, ``--period``, ``--ckpt-every``, ``--heartbeat``), a negative
+    ``--start``, a ``--timeout`` that is not a positive number, or ``--nodes`` that
+    does not divide ``--processes``.
+    """
     ap = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n")[0])
-    ap.add_argument("--processes", type=int, default=2, help="N processes (nodes)")
-    ap.add_argument("--devices", type=int, default=4, help="M CPU devices per process")
+    ap.add_argument(
+        "--processes", type=_count(1, "--processes 2"), default=2, help="N processes (nodes)"
+    )
+    ap.add_argument(
+        "--devices", type=_count(1, "--devices 4"), default=4, help="M CPU devices per process"
+    )
     ap.add_argument(
         "--nodes",
-        type=int,
+        type=_count(1, "--nodes 1"),
         default=None,
         help="nodes (mesh rows); default one per process, fewer groups whole processes "
         "into a node (like one process per GPU on a multi-GPU host)",
     )
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--start", type=int, default=10, help="start_localSGD_iter")
-    ap.add_argument("--period", type=int, default=4, help="model averaging period")
+    ap.add_argument("--steps", type=_count(1, "--steps 60"), default=60)
+    ap.add_argument("--start", type=_count(0, "--start 10"), default=10, help="start_localSGD_iter")
+    ap.add_argument(
+        "--period", type=_count(1, "--period 4"), default=4, help="model averaging period"
+    )
     ap.add_argument("--ckpt-dir", default=None, help="checkpoint folder (resumes from it)")
-    ap.add_argument("--ckpt-every", type=int, default=20)
-    ap.add_argument("--heartbeat", type=int, default=20, help="seconds to declare a peer dead")
-    ap.add_argument("--timeout", type=float, default=600, help="seconds for the whole run")
+    ap.add_argument("--ckpt-every", type=_count(1, "--ckpt-every 20"), default=20)
+    ap.add_argument(
+        "--heartbeat",
+        type=_count(1, "--heartbeat 20"),
+        default=20,
+        help="seconds to declare a peer dead",
+    )
+    ap.add_argument(
+        "--timeout", type=_seconds("--timeout 600"), default=600, help="seconds for the whole run"
+    )
     ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.nodes is not None and args.processes % args.nodes:
+        divisors = ", ".join(str(k) for k in range(1, args.processes + 1) if not args.processes % k)
+        ap.error(
+            f"argument --nodes: {args.nodes} nodes cannot each hold whole processes of "
+            f"--processes {args.processes}; give a divisor of it ({divisors}), or leave "
+            "--nodes out (one node per process)."
+        )
+    return args
 
 
 # ----------------------------------------------------------------------------- worker
@@ -82,10 +145,10 @@ def _join(args: argparse.Namespace) -> None:
     """This worker's devices, gloo, the compilation cache, and ``jax.distributed``."""
     import jax
 
+    from lsgd_jax.mesh import simulate_cpu_devices
     from lsgd_jax.step import use_compilation_cache
 
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", args.devices)
+    simulate_cpu_devices(args.devices)  # and PJRT_NPROC, the threads the devices need
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     use_compilation_cache()  # a restarted worker loads its programs
     jax.distributed.initialize(

@@ -15,6 +15,7 @@ not wait for its steps, or a burst of small programs (one a leaf of a model).
 from __future__ import annotations
 
 import os
+import re
 import warnings
 
 import jax
@@ -23,14 +24,17 @@ from jax.sharding import Mesh
 from lsgd_jax._core import _compat, _validate
 
 ENV = "PJRT_NPROC"
+_FALLBACK = "NPROC"  # XLA reads it when PJRT_NPROC is unset or not an integer
 _warned = False  # one warning a process
+_ours: str | None = None  # the PJRT_NPROC simulate_cpu_devices set (None: none)
 
 
 def simulate_cpu_devices(n: int) -> None:
     """Runs JAX on ``n`` simulated CPU devices, with the threads they need.
 
     Sets ``jax_platforms="cpu"`` and ``jax_num_cpu_devices=n``, and ``PJRT_NPROC`` (the
-    size of XLA's CPU thread pool) to ``2 * n`` unless it is set already: with fewer
+    size of XLA's CPU thread pool) to ``2 * n`` unless the user set it already (a value
+    an earlier call set is replaced): with fewer
     threads than twice the devices, a program with collectives can wait forever for a
     thread and XLA aborts the process (see :func:`check_cpu_threads`). Call it before
     anything asks JAX for its devices or runs a computation (these settings take effect
@@ -64,15 +68,19 @@ def simulate_cpu_devices(n: int) -> None:
             "runs a computation (right after `import jax`), or start Python with "
             f"JAX_PLATFORMS=cpu JAX_NUM_CPU_DEVICES={n} {ENV}={2 * n} in the environment."
         )
+    global _ours
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", n)
-    os.environ.setdefault(ENV, str(2 * n))
+    if os.environ.get(ENV) in (None, _ours):  # unset, or an earlier call's: ours to set
+        _ours = os.environ[ENV] = str(2 * n)
 
 
 def cpu_threads(num_devices: int) -> int:
     """The threads of XLA's CPU client pool for a process with ``num_devices`` CPU
-    devices: ``max(PJRT_NPROC, num_devices)``, or, with ``PJRT_NPROC`` unset (or not a
-    positive int), ``max(cores this process may use, num_devices)``.
+    devices, counted as XLA counts them: ``max(PJRT_NPROC, num_devices)``, where a
+    ``PJRT_NPROC`` of 0 or less counts 0 (the pool is then the devices); with
+    ``PJRT_NPROC`` unset or not an integer, ``NPROC`` likewise; with neither, the cores
+    this process may use.
 
     ``PJRT_NPROC`` is read from the environment now; XLA reads it once, when JAX starts
     its backend, so a value set after that has no effect (and is not seen here as such).
@@ -82,12 +90,38 @@ def cpu_threads(num_devices: int) -> int:
       >>> cpu_threads(8) >= 8  # never fewer than the devices
       True
     """
-    return max(_nproc() or _cores(), num_devices)
+    return max(_setting()[0], num_devices)
 
 
-def _nproc() -> int | None:
-    value = os.environ.get(ENV, "").strip()
-    return int(value) if value.isdigit() and int(value) > 0 else None
+def _atoi(text: str) -> int | None:
+    """``text`` as XLA reads it (``absl::SimpleAtoi`` into an int): an optionally signed
+    decimal integer between blanks, in int32's range; None when it is not one."""
+    match = re.fullmatch(r"\s*([+-]?[0-9]+)\s*", text, re.ASCII)
+    if match is None or not -(2**31) <= int(match.group(1)) < 2**31:
+        return None
+    return int(match.group(1))
+
+
+def _setting() -> tuple[int, str]:
+    """``(threads, where they come from)``: the threads XLA takes from the environment
+    (before the device count raises them) and how the warning names their source."""
+    skipped = []  # set but not an integer: XLA reads on
+    for name in (ENV, _FALLBACK):
+        raw = os.environ.get(name)
+        if raw is None:
+            continue
+        value = _atoi(raw)
+        if value is None:
+            skipped.append(f"{name}={raw!r} (not an integer XLA can read: it ignores it)")
+            continue
+        source = f"{name}={value}"
+        if value <= 0:
+            source = f"{name}={raw!r} (not a positive integer: XLA counts it as 0 threads)"
+        return max(value, 0), ", ".join([*skipped, source])
+    cores = _cores()
+    if not skipped:
+        return cores, f"{ENV}, unset here, so the {cores} cores"
+    return cores, f"{', '.join(skipped)}, so the {cores} cores"
 
 
 def _cores() -> int:
@@ -113,12 +147,15 @@ def check_cpu_threads(mesh: Mesh) -> bool:
     call it.
 
     Args:
-      mesh: the mesh the program will run on.
+      mesh: the mesh the program will run on (a ``jax.sharding.Mesh``).
 
     Returns:
       True when the pool is large enough (or the devices are not CPUs, or there is
       only one in this process), False when it is not (the warning is given the first
       time in a process).
+
+    Raises:
+      TypeError: ``mesh`` is not a ``jax.sharding.Mesh``.
 
     Example:
       >>> import lsgd_jax
@@ -127,6 +164,11 @@ def check_cpu_threads(mesh: Mesh) -> bool:
       True
     """
     global _warned
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"check_cpu_threads: mesh must be a jax.sharding.Mesh (e.g. lsgd_jax.make_mesh"
+            f"(2, 4)), got {mesh!r} ({type(mesh).__name__})."
+        )
     here = jax.process_index()
     devices = [d for d in mesh.devices.flat if d.process_index == here]
     if len(devices) < 2 or any(d.platform != "cpu" for d in devices):
@@ -142,8 +184,7 @@ def check_cpu_threads(mesh: Mesh) -> bool:
 
 
 def _message(m: int, local: int, threads: int) -> str:
-    nproc = _nproc()
-    source = f"{ENV}={nproc}" if nproc else f"{ENV}, unset here, so the {_cores()} cores"
+    source = _setting()[1]
     return (
         f"XLA's CPU client runs this process's {local} CPU devices on a pool of {threads} "
         f"threads (the larger of the device count and {source}), fewer than twice the "

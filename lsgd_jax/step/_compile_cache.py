@@ -39,6 +39,15 @@ def default_directory() -> str:
     return os.environ.get(ENV) or str(DEFAULT.expanduser())
 
 
+def _configured() -> tuple[str, str] | None:
+    """``(folder, where it is set)`` where JAX's cache folder is set already, else None."""
+    current = cast(Any, jax.config).jax_compilation_cache_dir  # (no type stub for it)
+    if not current:
+        return None
+    from_env = os.environ.get("JAX_COMPILATION_CACHE_DIR") == str(current)
+    return str(current), "JAX_COMPILATION_CACHE_DIR" if from_env else "jax_compilation_cache_dir"
+
+
 def use_compilation_cache(
     directory: str | os.PathLike[str] | None = None, *, min_compile_time_s: float = 0.0
 ) -> str | None:
@@ -49,7 +58,8 @@ def use_compilation_cache(
     (``lsgd_jax.elastic.initialize`` calls this), and a rerun of a script starts at
     once. Where the cache is already set (``JAX_COMPILATION_CACHE_DIR`` in the
     environment, or ``jax.config.update("jax_compilation_cache_dir", ...)``), that
-    folder is kept. Call it before the programs to keep are compiled (it may come after
+    folder is kept, and checked like one of its own (a URL such as ``gs://...`` is
+    left to JAX). Call it before the programs to keep are compiled (it may come after
     other JAX work).
 
     The cache is an optimisation: where the folder cannot be used (it cannot be created,
@@ -78,8 +88,8 @@ def use_compilation_cache(
 
     Raises:
       TypeError: ``directory`` is not a path, or ``min_compile_time_s`` is not a number.
-      ValueError: ``directory`` is empty, or ``min_compile_time_s`` is negative or not
-        finite.
+      ValueError: ``directory`` is empty or blank or holds a null character, or
+        ``min_compile_time_s`` is negative or not finite.
 
     Example:
       >>> import jax, lsgd_jax
@@ -96,42 +106,70 @@ def use_compilation_cache(
             f"use_compilation_cache: min_compile_time_s must be >= 0 seconds, got "
             f"{min_compile_time_s!r}; pass e.g. min_compile_time_s=1.0 (0 keeps every program)."
         )
-    current = cast(Any, jax.config).jax_compilation_cache_dir  # (no type stub for it)
-    if current:
-        return str(current)
+    configured = _configured()
+    if configured is not None:
+        current, setting = configured
+        problem = None if "://" in current else _unusable(pathlib.Path(current))
+        if problem is None:
+            return current
+        _warn_once(
+            current,
+            f"use_compilation_cache: JAX's compilation cache folder {current} (set by "
+            f"{setting}) cannot be used ({problem}); JAX compiles without the cache (and "
+            f"warns when it tries it). Set {setting} to a writable folder, or leave it "
+            f"unset for use_compilation_cache's own (${ENV} or {DEFAULT}).",
+        )
+        return None
     problem = _unusable(folder)
     if problem is not None:
-        if str(folder) not in _WARNED:
-            _WARNED.add(str(folder))
-            warnings.warn(
-                f"use_compilation_cache: cannot keep compiled programs in {folder} "
-                f"({problem}); compiling without the cache. To keep them, choose a "
-                f"writable folder: use_compilation_cache(directory=...) (in "
-                f"elastic.initialize: compilation_cache=...) or the environment "
-                f"variable {ENV}.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        _warn_once(
+            str(folder),
+            f"use_compilation_cache: cannot keep compiled programs in {folder} "
+            f"({problem}); compiling without the cache. To keep them, choose a "
+            f"writable folder: use_compilation_cache(directory=...) (in "
+            f"elastic.initialize: compilation_cache=...) or the environment "
+            f"variable {ENV}.",
+        )
         return None
     jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", seconds)
     return str(folder)
 
 
+def _warn_once(folder: str, message: str) -> None:
+    """A RuntimeWarning about ``folder``, the first time only."""
+    if folder not in _WARNED:
+        _WARNED.add(folder)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
 def _check_directory(directory: Any) -> pathlib.Path:
     """``directory`` (or the default folder) as an absolute path, without touching it."""
+    what = "directory"
     if directory is None:
         directory = default_directory()
+        what = f"the folder of ${ENV}" if os.environ.get(ENV) else what
     elif not isinstance(directory, (str, os.PathLike)):
         raise TypeError(
             "use_compilation_cache: directory must be a folder's path (a str or "
             f"pathlib.Path) or None for the default, got {directory!r} "
             f"({type(directory).__name__})."
         )
-    if not os.fspath(directory):
+    text = os.fspath(directory)
+    fix = (
+        "pass a folder, e.g. '~/.cache/lsgd_jax/jax-compilation-cache', or None for "
+        f"${ENV} or that one"
+    )
+    if not text:
+        raise ValueError(f"use_compilation_cache: {what} is an empty path; {fix}.")
+    if isinstance(text, str) and not text.strip():
         raise ValueError(
-            "use_compilation_cache: directory is an empty path; pass a folder, e.g. "
-            f"'~/.cache/lsgd_jax/jax-compilation-cache', or None for ${ENV} or that one."
+            f"use_compilation_cache: {what} is blank ({text!r}: white space only); {fix}."
+        )
+    if "\0" in str(text):
+        raise ValueError(
+            f"use_compilation_cache: {what} holds a null character, which no path may "
+            f"hold, got {text!r}; {fix}."
         )
     return pathlib.Path(directory).expanduser().absolute()
 

@@ -242,3 +242,58 @@ def test_the_runs_last_outer_step_is_the_plain_average(
     # ... and the one before did not (it still had momentum), so the check means something
     before_last = averaged[-2]
     assert not np.allclose(after[0, before_last], before[:, before_last].mean(0), atol=1e-6)
+
+
+# --- the averager checks diloco_outer's outer_skip_first ---------------------------------
+
+
+@pytest.mark.parametrize("kind", ["periodic", "hierarchical"])
+@pytest.mark.parametrize("skip_first", [True, False])
+def test_an_averager_refuses_a_diloco_outer_built_for_the_other_outer_skip_first(kind, skip_first):
+    # issue 33: averager True, diloco_outer False ran the run's last outer update at
+    # lr 0.850, momentum 0.400 (20 steps, switch 2, H=3), not the plain average (1, 0)
+    outer = diloco_outer(num_outer_steps(20, 2, 3), outer_skip_first=not skip_first)
+    assert outer.outer_skip_first is (not skip_first)
+
+    def build(**options):
+        if kind == "periodic":
+            return lsgd_jax.PeriodicModelAverager(3, warmup_steps=2, **options)
+        return lsgd_jax.HierarchicalModelAverager({3: ("node", "local")}, **options)
+
+    words = (
+        f"outer_skip_first={skip_first} here, but the outer_optimizer was built with "
+        f"diloco_outer\\(..., outer_skip_first={not skip_first}\\).*e.g. diloco_outer"
+        f"\\(..., outer_skip_first={skip_first}\\)"
+    )
+    with pytest.raises(ValueError, match=words):
+        build(outer_optimizer=outer, outer_skip_first=skip_first)
+    # the same value: accepted, equal and hashable as averagers are
+    same = diloco_outer(num_outer_steps(20, 2, 3), outer_skip_first=skip_first)
+    a = build(outer_optimizer=same, outer_skip_first=skip_first)
+    assert a == build(outer_optimizer=same, outer_skip_first=skip_first)
+    assert hash(a) == hash(build(outer_optimizer=same, outer_skip_first=skip_first))
+    assert isinstance(same, optax.GradientTransformationExtraArgs)
+    # no cool-down: a constant optax.sgd, whatever the averager counts
+    build(
+        outer_optimizer=diloco_outer(6, cooldown=0, outer_skip_first=not skip_first),
+        outer_skip_first=skip_first,
+    )
+
+
+def test_the_last_update_is_the_plain_average_once_the_values_match():
+    # the probe's run with matching values: the last outer update at (1, 0)
+    mesh = mesh_2x4()
+    outer = diloco_outer(num_outer_steps(20, 2, 3), 0.7, 0.8, cooldown=0.3)
+    avg = lsgd_jax.PeriodicModelAverager(3, warmup_steps=2, outer_optimizer=outer)
+    tx = optax.chain(lsgd_jax.post_local_sgd(2), optax.sgd(0.1), lsgd_jax.model_averaging(avg))
+    params = {"w": jnp.ones(4)}
+
+    def loss_fn(p, b):
+        return jnp.sum(p["w"] * b.mean(0)) + jnp.sum(p["w"] ** 2)
+
+    step = lsgd_jax.data_parallel_step(loss_fn, tx, mesh, example_params=params)
+    p, s = lsgd_jax.replicate(params, mesh), lsgd_jax.replicate(tx.init(params), mesh)
+    for _ in range(20):
+        p, s, _ = step(p, s, jnp.arange(64.0).reshape(16, 4) / 64)
+    hyper = lsgd_jax.averager_states(s)[0].outer_state.hyperparams
+    assert float(hyper["learning_rate"][0]) == 1.0 and float(hyper["momentum"][0]) == 0.0

@@ -310,3 +310,15 @@ def test_fragment_options_are_validated():
         lsgd_jax.PeriodicModelAverager(6, fragments=4)
     with pytest.raises(ValueError, match="not supported"):
         lsgd_jax.PeriodicModelAverager(4, fragments=2, outer_optimizer=optax.sgd(0.7))
+
+
+def test_fragments_with_an_outer_optimizer_is_refused_naming_what_to_use():
+    # issue 33: the refusal said "use one or the other", and no docstring said it
+    with pytest.raises(ValueError) as refused:
+        lsgd_jax.PeriodicModelAverager(4, fragments=2, outer_optimizer=optax.sgd(0.7))
+    message = str(refused.value)
+    assert message.startswith("fragments=2 with an outer_optimizer is not supported")
+    assert "fragments=2 with a plain average (outer_optimizer=None)" in message
+    assert "outer_optimizer on the whole model (fragments=1)" in message
+    doc = " ".join(lsgd_jax.PeriodicModelAverager.__doc__.split())
+    assert "``fragments`` with an ``outer_optimizer`` is refused" in doc

@@ -200,3 +200,83 @@ def test_replicate_checks_a_mesh_of_the_users_own(monkeypatch):
     monkeypatch.setenv("PJRT_NPROC", "4")
     with pytest.warns(RuntimeWarning, match="Remedy: start Python with PJRT_NPROC=16"):
         lsgd_jax.replicate({"w": jnp.ones(2)}, mesh)
+
+
+# --- issue 33: a second call, bad arguments, PJRT_NPROC values XLA does not count -------
+
+
+def test_a_second_call_before_the_backend_starts_replaces_its_own_pjrt_nproc():
+    # simulate_cpu_devices(4) then (8): PJRT_NPROC was the first call's 8, and make_mesh
+    # (2, 4) warned; now 16. A value the user set is kept, whatever the calls.
+    out = run(
+        """
+        lsgd_jax.simulate_cpu_devices(4)
+        lsgd_jax.simulate_cpu_devices(8)
+        lsgd_jax.make_mesh(2, 4)
+        print(jax.device_count(), os.environ["PJRT_NPROC"])
+        """
+    )
+    assert out.returncode == 0 and "Warning" not in out.stderr, out.stderr[-3000:]
+    assert out.stdout.split() == ["8", "16"]
+    kept = run(
+        """
+        lsgd_jax.simulate_cpu_devices(4)
+        lsgd_jax.simulate_cpu_devices(8)
+        print(jax.device_count(), os.environ["PJRT_NPROC"])
+        """,
+        pjrt_nproc=12,
+    )
+    assert kept.stdout.split() == ["8", "12"], kept.stderr[-3000:]
+
+
+@pytest.mark.parametrize("bad", [None, [1, 2], "mesh"])
+def test_check_cpu_threads_names_an_argument_that_is_not_a_mesh(bad):
+    with pytest.raises(TypeError, match="check_cpu_threads: mesh must be a jax.sharding.Mesh"):
+        lsgd_jax.mesh.check_cpu_threads(bad)
+
+
+@pytest.mark.parametrize(
+    ("value", "threads", "says"),
+    [
+        # not an integer: XLA reads on (NPROC, then the cores)
+        ("abc", 2, "PJRT_NPROC='abc' (not an integer XLA can read: it ignores it), so the 2 cores"),
+        # an integer <= 0: XLA counts 0 threads, the pool is the device count
+        ("0", 0, "PJRT_NPROC='0' (not a positive integer: XLA counts it as 0 threads)"),
+        ("-3", 0, "PJRT_NPROC='-3' (not a positive integer: XLA counts it as 0 threads)"),
+    ],
+)
+def test_a_pjrt_nproc_that_is_not_a_positive_int_is_named_as_such(
+    monkeypatch, value, threads, says
+):
+    # XLA's DefaultThreadPoolSize: absl::SimpleAtoi(PJRT_NPROC), max(0, n) when it
+    # parses, else NPROC, else the cores; the pool is max(that, devices). Measured with
+    # 1 device on 2 cores: PJRT_NPROC=0 and -3 start as many threads as 1, "abc" as unset.
+    monkeypatch.setattr(_threads, "_cores", lambda: 2)
+    monkeypatch.setattr(_threads, "_warned", False)
+    monkeypatch.delenv("NPROC", raising=False)
+    monkeypatch.setenv("PJRT_NPROC", value)
+    assert _threads._setting()[0] == threads
+    with pytest.warns(RuntimeWarning) as caught:
+        assert lsgd_jax.mesh.check_cpu_threads(lsgd_jax.make_mesh(2, 4)) is False
+    message = str(caught[0].message)
+    assert "a pool of 8 threads (the larger of the device count and " + says in message
+    assert "unset here" not in message
+
+
+def test_the_pool_is_counted_as_xla_counts_it(monkeypatch):
+    # Before: PJRT_NPROC=0 counted as unset, the cores (here 32: no warning for a pool
+    # that is in fact the 8 devices); NPROC was not read.
+    monkeypatch.setattr(_threads, "_cores", lambda: 32)
+    monkeypatch.delenv("NPROC", raising=False)
+    monkeypatch.setenv("PJRT_NPROC", "0")
+    assert _threads.cpu_threads(8) == 8
+    monkeypatch.setenv("PJRT_NPROC", " 20 ")  # blanks around it: XLA reads 20
+    assert _threads.cpu_threads(8) == 20
+    monkeypatch.setenv("PJRT_NPROC", "x")
+    monkeypatch.setenv("NPROC", "12")
+    assert _threads._setting() == (
+        12,
+        "PJRT_NPROC='x' (not an integer XLA can read: it ignores it), NPROC=12",
+    )
+    monkeypatch.delenv("PJRT_NPROC")
+    assert _threads._setting() == (12, "NPROC=12")

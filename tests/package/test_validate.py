@@ -50,9 +50,31 @@ def test_what_is_not_an_integer_is_refused_with_the_fix(kind):
     with pytest.raises(TypeError, match="NumPy and JAX integer scalars work too"):
         _validate.nonnegative_int(value, "period")
     if value is not None:  # None means "none" there
-        with pytest.raises(ValueError, match="^period must be a (positive|single|concrete) int"):
+        with pytest.raises(TypeError, match="^period must be a (positive|single|concrete) int"):
             _validate.optional_positive_int(value, "period")
     assert not _validate._is_int(value)
+
+
+def test_a_bool_or_a_wrong_type_is_a_type_error_in_every_int_check():
+    # issue 33: data_parallel_step(max_in_flight=True) raised ValueError, a bool was a
+    # TypeError everywhere else; elastic.initialize(process_id=True) too
+    import optax
+
+    mesh = lsgd_jax.make_mesh(2, 4)
+    for options in ({"max_in_flight": True}, {"check_in_sync_every": np.bool_(True)}):
+        (name,) = options
+        with pytest.raises(TypeError, match=f"data_parallel_step: {name} must be a positive "):
+            lsgd_jax.data_parallel_step(lambda p, b: jnp.sum(p), optax.sgd(0.1), mesh, **options)
+    with pytest.raises(TypeError, match="max_in_flight must be a positive int or None, got 2.0"):
+        lsgd_jax.data_parallel_step(
+            lambda p, b: jnp.sum(p), optax.sgd(0.1), mesh, max_in_flight=2.0
+        )
+    with pytest.raises(ValueError, match="max_in_flight must be a positive int or None, got 0"):
+        lsgd_jax.data_parallel_step(lambda p, b: jnp.sum(p), optax.sgd(0.1), mesh, max_in_flight=0)
+    with pytest.raises(TypeError, match=r"initialize: process_id must be a Python int, got True"):
+        lsgd_jax.elastic.initialize("127.0.0.1:1", 2, True)
+    with pytest.raises(TypeError, match="num_cpu_devices must be a positive int or None, got Tr"):
+        lsgd_jax.elastic.initialize("127.0.0.1:1", 2, 0, num_cpu_devices=True)
 
 
 def test_ranges_are_still_checked():

@@ -143,17 +143,20 @@ OUTERS = [
 
 
 @functools.cache
-def outer_tx(cfg: M.OuterConfig) -> optax.GradientTransformation:
-    if cfg.cooldown is not None:
+def outer_tx(cfg: M.OuterConfig, skip_first: bool = True) -> optax.GradientTransformation:
+    if cfg.cooldown is not None:  # built for the averager's outer_skip_first (it checks)
         total, fraction = cfg.cooldown
-        return lsgd_jax.averaging.diloco_outer(total, cfg.lr, cfg.momentum, cooldown=fraction)
+        return lsgd_jax.averaging.diloco_outer(
+            total, cfg.lr, cfg.momentum, cooldown=fraction, outer_skip_first=skip_first
+        )
     return optax.sgd(cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
 
 
 def build_averager(cfg: M.AveragerConfig):
+    outer = cfg.outer
     options = dict(
         nonfinite=cfg.nonfinite,
-        outer_optimizer=outer_tx(cfg.outer) if cfg.outer is not None else None,
+        outer_optimizer=outer_tx(outer, cfg.outer_skip_first) if outer is not None else None,
         outer_skip_first=cfg.outer_skip_first,
         communication_dtype=jnp.bfloat16 if cfg.bf16 else None,
         delta=cfg.delta,

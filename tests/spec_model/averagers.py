@@ -35,16 +35,18 @@ class OuterConfig:
     nesterov: bool = False
     cooldown: tuple[int, float] | None = None
 
-    def at(self, updates: int) -> tuple[np.float32, np.float32 | None]:
-        """Rule (diloco_outer): "of the ``U = total - 1`` updates (the first average,
-        at the switch, is not an outer update), the last ``C = ceil(fraction * U)`` (at
-        least 1) are cooled: update ``k`` runs at ``r = max(0, k - (U - C) + 1) / C``,
-        learning rate ``lr + (1 - lr) r`` and momentum ``m (1 - r)``, so the last one
-        is the plain average (1, 0)"; ``k`` counts the outer optimizer's own updates."""
+    def at(self, updates: int, skip_first: bool = True) -> tuple[np.float32, np.float32 | None]:
+        """Rule (diloco_outer): "of the ``U = total - 1`` updates with
+        ``outer_skip_first`` (the first average, at the switch, is not an outer update;
+        ``U = total`` without), the last ``C = ceil(fraction * U)`` (at least 1) are
+        cooled: update ``k`` runs at ``r = max(0, k - (U - C) + 1) / C``, learning rate
+        ``lr + (1 - lr) r`` and momentum ``m (1 - r)``, so the last one is the plain
+        average (1, 0)"; ``k`` counts the outer optimizer's own updates; ``skip_first``
+        is the averager's, which diloco_outer must be given (the averager checks)."""
         if self.cooldown is None:
             return F32(self.lr), None if self.momentum is None else F32(self.momentum)
         total, fraction = self.cooldown
-        u = total - 1  # diloco_outer's default outer_skip_first=True
+        u = total - 1 if skip_first else total
         c = max(1, math.ceil(round(fraction * u, 6))) if u else 0
         ramp = F32(min(max((updates - (u - c) + 1) / c, 0.0), 1.0) if c else 1.0)
         lr, m = F32(self.lr), F32(self.momentum)
@@ -233,13 +235,15 @@ def outer_step(
     mean: np.ndarray,
     trace: np.ndarray | None,
     updates: int = 0,
+    skip_first: bool = True,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Rule: "pseudo_grad = anchor - m; (upd, outer_state) = outer.update(pseudo_grad,
     outer_state, anchor); new = anchor + upd (computed as m + (pseudo_grad + upd), so
     optax.sgd(1.0) gives m exactly)"; ``updates``: the outer optimizer's updates before
-    this one (``OuterConfig.at``). Returns ``(new, new_trace)``."""
+    this one and ``skip_first`` the averager's (``OuterConfig.at``). Returns ``(new,
+    new_trace)``."""
     pseudo = anchor - mean
-    lr, m = cfg.at(updates)
+    lr, m = cfg.at(updates, skip_first)
     if m is None:
         upd = -lr * pseudo
     else:
@@ -345,7 +349,7 @@ def _outer_steps(
                 continue
             trace = None if state.outer_trace is None else state.outer_trace[k][r]
             updates = int(state.outer_count[r]) - int(skip_first)  # the first was plain
-            new, trace = outer_step(cfg, anchor[k][r], v[r], trace, updates)
+            new, trace = outer_step(cfg, anchor[k][r], v[r], trace, updates, skip_first)
             out[k][r] = new
             if trace is not None:
                 new_state.outer_trace[k][r] = trace

@@ -141,6 +141,42 @@ def test_an_unwritable_default_folder_warns_too(tmp_path, monkeypatch, no_cache_
     assert jax.config.jax_compilation_cache_dir == str(tmp_path / "from_env")
 
 
+@pytest.mark.parametrize("setting", ["jax_compilation_cache_dir", "JAX_COMPILATION_CACHE_DIR"])
+def test_a_configured_folder_that_cannot_be_used_warns_once(
+    tmp_path, monkeypatch, no_cache_yet, setting
+):
+    # issue 33: JAX_COMPILATION_CACHE_DIR (or jax.config's folder) naming a file was
+    # returned as the folder in use, with no warning (JAX then warned as it compiled)
+    file = a_file(tmp_path)
+    jax.config.update("jax_compilation_cache_dir", str(file))
+    if setting.isupper():  # JAX read it from the environment
+        monkeypatch.setenv(setting, str(file))
+    with pytest.warns(RuntimeWarning) as caught:
+        assert lsgd_jax.use_compilation_cache() is None
+    (message,) = [str(w.message) for w in caught]
+    assert message.startswith(
+        f"use_compilation_cache: JAX's compilation cache folder {file} (set by {setting}) "
+        f"cannot be used ({file} is a file, not a folder)"
+    )
+    assert f"Set {setting} to a writable folder, or leave it unset" in message
+    assert jax.config.jax_compilation_cache_dir == str(file)  # the user's setting, as it was
+    with warnings.catch_warnings():  # once
+        warnings.simplefilter("error")
+        assert lsgd_jax.use_compilation_cache(tmp_path / "other") is None
+    assert not (tmp_path / "other").exists()
+
+
+def test_a_configured_folder_that_works_or_is_a_url_is_kept(tmp_path, no_cache_yet):
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "theirs"))
+    assert lsgd_jax.use_compilation_cache(tmp_path / "mine") == str(tmp_path / "theirs")
+    assert (tmp_path / "theirs").is_dir() and not (tmp_path / "mine").exists()
+    jax.config.update("jax_compilation_cache_dir", "gs://bucket/jax-cache")  # JAX's to reach
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert lsgd_jax.use_compilation_cache() == "gs://bucket/jax-cache"
+    assert not pathlib.Path("gs:").exists()
+
+
 def test_a_usable_folder_is_made_and_set(tmp_path, no_cache_yet):
     folder = tmp_path / "new" / "cache"
     assert lsgd_jax.use_compilation_cache(folder, min_compile_time_s=0.5) == str(folder)
@@ -159,6 +195,10 @@ def test_a_usable_folder_is_made_and_set(tmp_path, no_cache_yet):
         ({"min_compile_time_s": True}, TypeError, "min_compile_time_s must be a real number"),
         ({"directory": 3}, TypeError, "directory must be a folder's path"),
         ({"directory": ""}, ValueError, "directory is an empty path"),
+        # issue 33: a bare "embedded null byte" from mkdir; a blank name was accepted
+        ({"directory": "/a\x00b"}, ValueError, "directory holds a null character, .*'/a"),
+        ({"directory": "   "}, ValueError, r"directory is blank \('   ': white space only\)"),
+        ({"directory": pathlib.Path(" \t")}, ValueError, "directory is blank"),
     ],
 )
 def test_bad_arguments_are_refused_before_the_folder_is_made(tmp_path, kwargs, error, message):

@@ -60,15 +60,74 @@ def test_the_script_is_the_module():
     assert (args.processes, args.devices, args.ckpt_dir, args.process_id) == (3, 4, "c", None)
 
 
-def test_a_failing_worker_stops_the_launch():
-    # a worker that cannot start (a mesh of 3 nodes from 2 processes) ends the launch
-    # with status 1, naming the worker, long before the timeout
-    code, seconds, out = run_launcher(
-        [*MODULE_CMD, "--processes", "2", "--devices", "1", "--nodes", "3", "--timeout", "90"],
-        120,
+def test_a_failing_worker_stops_the_launch(tmp_path, monkeypatch):
+    # worker 1 exits with status 3 as it starts (a sitecustomize on its PYTHONPATH);
+    # worker 0 would wait for it in jax.distributed.initialize: the launch ends with
+    # status 1, naming the worker, long before the timeout
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, sys\nif sys.argv[-2:] == ['--process-id', '1']:\n    os._exit(3)\n"
     )
-    assert code == 1 and "launch_local: worker" in out and "exited with" in out, out[-3000:]
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    code, seconds, out = run_launcher(
+        [*MODULE_CMD, "--processes", "2", "--devices", "1", "--timeout", "90"], 120
+    )
+    assert code == 1 and "launch_local: worker 1 exited with 3" in out, out[-3000:]
     assert seconds < 90
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        # before: exit 0 with nothing done; a segfault of the worker; JAX's "non-uniform
+        # sharding" from the workers; "done: -1 steps"
+        ("--processes 0", "argument --processes: must be a positive int, got '0'; e.g."),
+        ("--devices 0", "argument --devices: must be a positive int, got '0'; e.g. --devi"),
+        (
+            "--processes 2 --nodes 3",
+            "argument --nodes: 3 nodes cannot each hold whole processes of --processes 2; "
+            "give a divisor of it (1, 2), or leave --nodes out",
+        ),
+        ("--processes 6 --nodes 4", "give a divisor of it (1, 2, 3, 6)"),
+        ("--steps -1", "argument --steps: must be a positive int, got '-1'; e.g. --steps 60"),
+        ("--steps ten", "argument --steps: must be a positive int, got 'ten'"),
+        ("--start -1", "argument --start: must be an int >= 0, got '-1'; e.g. --start 10"),
+        ("--period 0", "argument --period: must be a positive int, got '0'"),
+        ("--ckpt-every 0", "argument --ckpt-every: must be a positive int, got '0'"),
+        ("--heartbeat 0", "argument --heartbeat: must be a positive int, got '0'"),
+        ("--timeout 0", "argument --timeout: must be a positive number of seconds, got '0'"),
+        ("--timeout inf", "argument --timeout: must be a positive number of seconds"),
+    ],
+)
+def test_parse_refuses_a_bad_value_naming_it_and_the_fix(capsys, argv, says):
+    with pytest.raises(SystemExit) as stopped:
+        launch_local.parse(argv.split())
+    assert stopped.value.code == 2
+    assert says in " ".join(capsys.readouterr().err.split())
+
+
+def test_parse_takes_good_values():
+    args = launch_local.parse("--processes 6 --nodes 3 --steps 1 --start 0".split())
+    assert (args.processes, args.nodes, args.steps, args.start) == (6, 3, 1, 0)
+    assert launch_local.parse(["--timeout", "2.5"]).timeout == 2.5
+
+
+PINNED = (  # the launcher on 2 cores (its workers inherit them), then the module itself
+    "import os, runpy; os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2]); "
+    "runpy.run_module('lsgd_jax.elastic.launch_local', run_name='__main__')"
+)
+
+
+def test_the_workers_get_the_threads_their_devices_need(monkeypatch):
+    # 2 devices a worker on 2 cores, PJRT_NPROC unset: each worker warned about its own
+    # launcher's setup (a pool of 2 threads for 2 devices); now PJRT_NPROC=4
+    monkeypatch.delenv("PJRT_NPROC", raising=False)
+    code, _, out = run_launcher(
+        [sys.executable, "-c", PINNED, "--processes", "2", "--devices", "2", "--steps", "3"]
+        + ["--timeout", "120"],
+        150,
+    )
+    assert code == 0 and "done: 3 steps" in out, out[-3000:]
+    assert "XLA's CPU client runs" not in out, out[-3000:]
 
 
 def test_under_xdist_the_multi_process_files_share_one_group(request):
