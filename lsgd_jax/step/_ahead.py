@@ -1,122 +1,117 @@
-"""What a step will run, known before it runs: the programs of the next calls, replayed
-from the step counters, compiled ahead (compile, plan_of, programs_of; and in the
-background, a few calls ahead of the steps).
+"""The programs of a step, compiled ahead: made once per mode, compiled for the calls
+to come on a background thread, or all at once by ``compile``.
 """
 
 from __future__ import annotations
 
-import abc
 import concurrent.futures
 import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
 import numpy as np
 
-from lsgd_jax._core import _validate
-from lsgd_jax.step._phase_plan import PhasePlan
 
+class Programs:
+    """A step's jitted programs by mode (a phase index, ``"switch"`` or ``"cond"``), and
+    their compiles: ahead on a background thread, or at once.
 
-class _AheadOfTime(abc.ABC):
-    """What a step will run, known before it runs: the programs of the next calls,
-    replayed from the step counters, compiled ahead (a part of DataParallelStep)."""
+    Args:
+      make: ``make(mode)`` builds the jitted program of ``mode``.
 
-    _plan: PhasePlan
-    _compiled: dict[tuple, Any]
-    _started: set[int | str]  # programs run, or compiling in the background
-    _compiling: dict[int | str, concurrent.futures.Future]
-    _executor: concurrent.futures.ThreadPoolExecutor | None
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from lsgd_jax.step._ahead import Programs
+      >>> programs = Programs(lambda mode: jax.jit(lambda x: x + mode))
+      >>> programs.compile([1, 2, 1], (jnp.zeros(2),)).keys()
+      dict_keys([1, 2])
+      >>> programs.get(2)(jnp.zeros(2))
+      Array([2., 2.], dtype=float32)
+    """
 
-    @abc.abstractmethod
-    def jit_args(self, *args: Any) -> tuple[Any, Any, Any, Any]:
-        """``(params, model_state, opt_state, batch)`` from the step's own arguments."""
+    def __init__(self, make: Callable[[int | str], Any]) -> None:
+        self._make = make
+        self._programs: dict[int | str, Any] = {}
+        self._compiled: dict[tuple, Any] = {}  # (mode, signature) -> jax.stages.Compiled
+        self._started: set[int | str] = set()  # run, or compiling in the background
+        self._compiling: dict[int | str, concurrent.futures.Future] = {}
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
-    @abc.abstractmethod
-    def _program(self, mode: int | str) -> Any:
-        """The jitted program of ``mode``."""
+    def made(self) -> list[int | str]:
+        """The modes whose programs were made, in order."""
+        return list(self._programs)
 
-    def _compile_coming(self, jit_args: tuple, modes: list[int]) -> None:
+    def compiled_modes(self) -> set[int | str]:
+        """The modes compiled by :meth:`compile` (for arguments of any shapes)."""
+        return {mode for mode, _ in self._compiled}
+
+    def get(self, mode: int | str) -> Any:
+        """The jitted program of ``mode`` (made the first time)."""
+        if mode not in self._programs:
+            self._programs[mode] = self._make(mode)
+        return self._programs[mode]
+
+    def compile_coming(self, modes: Iterable[int | str], args: tuple) -> None:
         """Starts compiling, on a thread of its own, the programs of ``modes`` that no
-        call has run and no compile has started, for arguments shaped like
-        ``jit_args``: a phase's first call then finds its program compiled (or waits
-        for the compile already under way) instead of stalling to compile it."""
+        call has run and no compile has started, for arguments shaped like ``args``: a
+        phase's first call then finds its program compiled (or waits for the compile
+        under way) instead of stalling to compile it."""
         new = [m for m in modes if m not in self._started]
         if not new:
             return
-        abstract = jax.tree.map(_abstract, jit_args)
+        abstract = jax.tree.map(_abstract, args)
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="lsgd_jax-compile"
             )
         for mode in new:
             self._started.add(mode)
-            program = self._program(mode)  # made here: the cache is the main thread's
+            program = self.get(mode)  # made here: the cache is the main thread's
             self._compiling[mode] = self._executor.submit(_compile, program, abstract)
 
-    def _wait_for_compile(self, mode: int | str) -> None:
-        """Before a call runs ``mode``: waits for its compile, if one is under way (a
-        failed one is left to the call, which compiles again and raises)."""
+    def ready(self, mode: int | str) -> Any:
+        """The program of ``mode`` for a call about to run it: waits for its compile if
+        one is under way (a failed one is left to the call, which compiles again and
+        raises)."""
         self._started.add(mode)
         future = self._compiling.pop(mode, None)
         if future is not None:
             concurrent.futures.wait([future])
+        return self.get(mode)
 
-    def compile(self, *args: Any, num_steps: int) -> dict[int | str, float]:
-        """Compiles, without running, the programs of the next ``num_steps`` calls.
-
-        With one program per phase, each phase compiles when it first occurs, which
-        stalls that step; a timed or latency-sensitive run calls this first, so that
-        no step compiles. Nothing is donated or changed.
-
-        Args:
-          *args: the step's own arguments, e.g. ``(params, opt_state, batch)``, as
-            the first of those calls will get them.
-          num_steps: how many calls to plan for (their phases are replayed from the
-            state's counters).
+    def compile(self, modes: Iterable[int | str], args: tuple) -> dict[int | str, float]:
+        """Compiles, without running, the programs of ``modes`` for ``args``.
 
         Returns:
-          ``{program: seconds}`` for each program compiled now (a phase index, or
-          ``"switch"`` / ``"cond"``); programs compiled before are left out.
-
-        Example:
-          >>> import jax.numpy as jnp, optax, lsgd_jax
-          >>> mesh = lsgd_jax.make_mesh(2, 4)
-          >>> tx = optax.chain(lsgd_jax.post_local_sgd(2), optax.sgd(0.1),
-          ...     lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(2, warmup_steps=2)))
-          >>> step = lsgd_jax.data_parallel_step(lambda p, b: jnp.mean((b @ p) ** 2), tx, mesh)
-          >>> p = lsgd_jax.replicate(jnp.zeros(3), mesh)
-          >>> s = lsgd_jax.replicate(tx.init(jnp.zeros(3)), mesh)
-          >>> sorted(step.compile(p, s, jnp.ones((8, 3)), num_steps=6))  # phases 2, 1, 0
-          [0, 1, 2]
+          ``{mode: seconds}`` for each program compiled now; those compiled before for
+          arguments of these shapes are left out.
         """
         seconds: dict[int | str, float] = {}
-        jit_args = self.jit_args(*args)
-        for mode in dict.fromkeys(self.plan_of(*args, num_steps=num_steps)):
-            key = (mode, _signature(jit_args))
+        for mode in dict.fromkeys(modes):
+            key = (mode, signature(args))
             if key not in self._compiled:
                 start = time.perf_counter()
-                self._compiled[key] = self._program(mode).lower(*jit_args).compile()
+                self._compiled[key] = self.get(mode).lower(*args).compile()
                 seconds[mode] = time.perf_counter() - start
         return seconds
 
-    def plan_of(self, *args: Any, num_steps: int) -> list[int | str]:
-        """The program (phase index, or ``"switch"`` / ``"cond"``) each of the next
-        ``num_steps`` calls from these arguments runs, replayed from the step counters."""
-        num_steps = _validate.positive_int(num_steps, "num_steps")
-        return self._plan.replay(self.jit_args(*args)[2], num_steps)
-
-    def programs_of(self, *args: Any, num_steps: int) -> list[tuple[int | str, Any]]:
-        """``(program, jax.stages.Compiled)`` for each program of the next ``num_steps``
-        calls, in the order they first occur, compiled where needed (see :meth:`compile`)."""
-        self.compile(*args, num_steps=num_steps)
-        signature = _signature(self.jit_args(*args))
-        modes = dict.fromkeys(self.plan_of(*args, num_steps=num_steps))
-        return [(k, self._compiled[k, signature]) for k in modes]
+    def compiled(self, mode: int | str, args: tuple) -> Any:
+        """The ``jax.stages.Compiled`` of ``mode`` for ``args`` (compiled if needed)."""
+        self.compile([mode], args)
+        return self._compiled[mode, signature(args)]
 
 
-def _signature(jit_args: tuple) -> tuple:
-    """What a compiled program is specific to: the arguments' structure, shapes and dtypes."""
-    leaves, treedef = jax.tree.flatten(jit_args)
+def signature(args: tuple) -> tuple:
+    """What a compiled program is specific to: the arguments' structure, shapes, dtypes.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from lsgd_jax.step._ahead import signature
+      >>> signature((jnp.zeros(2),)) == signature((jnp.ones(2),))
+      True
+    """
+    leaves, treedef = jax.tree.flatten(args)
     return treedef, tuple((np.shape(x), str(getattr(x, "dtype", type(x)))) for x in leaves)
 
 

@@ -327,7 +327,7 @@ def communication_ledger(
             f"{step!r}; for any other jitted function use lsgd_jax.communication_report."
         )
     num_steps = _validate.positive_int(num_steps, "communication_ledger: num_steps")
-    mesh = step._spec.mesh
+    mesh = step.spec.mesh
     inner = _check_inner_axes(inner_axes, tuple(mesh.axis_names))
     plan = step.plan_of(*args, num_steps=num_steps)
     jit_args = step.jit_args(*args)
@@ -336,7 +336,7 @@ def communication_ledger(
     skips = skips_on_device(opt_state)
     if one_program and not skips:  # charge each call its own branch: its phase's program
         plan = _phase.replay_phases(_phase.counters_snapshot(opt_state), num_steps).tolist()
-        programs = [(k, step._program(k).lower(*jit_args).compile()) for k in dict.fromkeys(plan)]
+        programs = [(k, step.program(k).lower(*jit_args).compile()) for k in dict.fromkeys(plan)]
     else:
         programs = step.programs_of(*args, num_steps=num_steps)
     if _phase.num_phases(opt_state) == 1:  # nothing phased: the step is DDP's, every call

@@ -8,22 +8,18 @@ are in ``_step_inputs``.
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import optax
 from jax.sharding import Mesh
 
 from lsgd_jax._core import _validate
 from lsgd_jax.mesh import _fsdp, check_cpu_threads
-from lsgd_jax.mesh._mesh import _num_replicas, data_axes
+from lsgd_jax.mesh._mesh import data_axes
 from lsgd_jax.mesh._sync import assert_replicas_in_sync
 from lsgd_jax.report._report import communication_report
-from lsgd_jax.step import _preflight, _step_inputs, _step_program
-from lsgd_jax.step._ahead import _AheadOfTime
+from lsgd_jax.step import _ahead, _flight, _preflight, _step_inputs, _step_program
 from lsgd_jax.step._phase_plan import PhasePlan
 from lsgd_jax.step._step_program import MAX_PHASES, StepSpec, averager_states
 
@@ -255,7 +251,7 @@ def data_parallel_step(
     )
 
 
-class DataParallelStep(_AheadOfTime):
+class DataParallelStep:
     """The training step that :func:`data_parallel_step` builds.
 
     Call it as ``step(params, opt_state, batch)`` (or ``step(params, model_state,
@@ -274,11 +270,10 @@ class DataParallelStep(_AheadOfTime):
         the signature ``(params, model_state, opt_state, batch) -> (params,
         model_state, opt_state, loss, aux, ok)`` (``model_state`` and ``aux`` None where
         unused): what reports and exports read. Calls use one program per phase.
+      spec: what the step computes (loss, optimizer, mesh, axes, options).
       with_model_state: whether the step takes and returns model state.
       has_aux: whether the step returns ``aux``.
     """
-
-    _CHECK_LAG = 16  # a phase program's ok flag is read this many calls later
 
     def __init__(
         self,
@@ -290,66 +285,38 @@ class DataParallelStep(_AheadOfTime):
         compile_ahead: int = 0,
         checked_model: Any = None,
     ) -> None:
-        self._spec = spec
-        self._mesh_processes = len({d.process_index for d in spec.mesh.devices.flat})
-        self._replicas = _num_replicas(spec.mesh, spec.axes)
-        self._explicit = bool(_preflight.explicit_axes(spec.mesh, spec.axes))
+        self.spec = spec
         self.with_model_state = spec.with_model_state
         self.has_aux = spec.has_aux
         self._specialize = specialize
-        self._max_in_flight = max_in_flight
-        self._check_in_sync_every = check_in_sync_every
-        self._programs: dict[int | str, Any] = {}
-        self._compiled: dict[tuple, Any] = {}  # (program, signature) -> jax.stages.Compiled
+        self._plan = PhasePlan(specialize)  # which program each call runs
+        self._programs = _ahead.Programs(lambda mode: _step_program.program(spec, mode))
         self._compile_ahead = compile_ahead
-        self._started: set[int | str] = set()
-        self._compiling: dict[int | str, concurrent.futures.Future] = {}
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._plan = PhasePlan(specialize)
-        self._in_flight: collections.deque = collections.deque()
-        self._unchecked: collections.deque = collections.deque()
+        self._in_flight = _flight.InFlight(max_in_flight)
+        self._phase_checks = _flight.PhaseChecks()
+
+        def first_call(params: Any, opt_state: Any) -> None:
+            _step_program.check_at_first_call(spec, params, opt_state, checked_model)
+
+        self._inputs = _step_inputs.Inputs(
+            spec.mesh, spec.axes, spec.with_model_state, spec.fsdp_axes, first_call
+        )
+        self._check_in_sync_every = check_in_sync_every
         self._calls = 0
-        self._outputs = _step_inputs.Identity(None, None, None)  # what the last call returned
-        self._checked_model = checked_model  # the model the build check ran on, if any
-        self._first_call_checked = False
 
     @property
     def jitted(self) -> Any:
-        return self._program("cond" if self._specialize == "cond" else "switch")
+        return self.program("cond" if self._specialize == "cond" else "switch")
 
-    def _program(self, mode: int | str) -> Any:
-        if mode not in self._programs:
-            self._programs[mode] = _step_program.program(self._spec, mode)
-        return self._programs[mode]
+    def program(self, mode: int | str) -> Any:
+        """The jitted program of ``mode``: a phase index (see :func:`phase_index`),
+        ``"switch"`` or ``"cond"``, with :attr:`jitted`'s signature."""
+        return self._programs.get(mode)
 
     def jit_args(self, *args: Any) -> tuple[Any, Any, Any, Any]:
         """``(params, model_state, opt_state, batch)`` for :attr:`jitted` from the step's
         own arguments (``model_state`` None without model state)."""
-        names: tuple[str, ...] = ("params", "model_state", "opt_state", "batch")
-        if not self.with_model_state:
-            names = ("params", "opt_state", "batch")
-        if len(args) != len(names):
-            raise TypeError(
-                f"data_parallel_step: the step takes ({', '.join(names)}), got {len(args)} "
-                "arguments."
-            )
-        if self.with_model_state:
-            params, model_state, opt_state, batch = args
-        else:
-            (params, opt_state, batch), model_state = args, None
-        if self._explicit:  # shard_map needs its inputs' shardings to be its in_specs
-            batch = _step_inputs.place_batch(batch, self._spec.mesh, self._spec.axes)
-        return params, model_state, opt_state, batch
-
-    def _check(self, params: Any, model_state: Any, opt_state: Any) -> None:
-        spec, n = self._spec, self._replicas
-        _step_inputs.check_replicated(params, "params", n, spec.mesh, spec.axes)
-        _step_inputs.check_replicated(opt_state, "opt_state", n, spec.mesh, spec.axes)
-        if spec.with_model_state:
-            _step_inputs.check_replicated(model_state, "model_state", n, spec.mesh, spec.axes)
-        if not self._first_call_checked:
-            _step_program.check_at_first_call(spec, params, opt_state, self._checked_model)
-            self._first_call_checked = True
+        return self._inputs.arguments(args)
 
     def __call__(self, *args: Any) -> tuple[Any, ...]:
         params, model_state, opt_state, batch = self.jit_args(*args)
@@ -357,50 +324,68 @@ class DataParallelStep(_AheadOfTime):
         if every is not None and self._calls % every == 0:
             assert_replicas_in_sync(opt_state)
         self._calls += 1
-        if not self._outputs.same(params, model_state, opt_state):  # else: checked, alive
-            self._check(params, model_state, opt_state)
-        _step_inputs.check_batch(
-            batch,
-            self._replicas,
-            self._spec.axes,
-            self._mesh_processes,
-            _fsdp.size(self._spec.mesh, self._spec.fsdp_axes),
-        )
+        self._inputs.check(params, model_state, opt_state, batch)
         mode = self._plan.mode(opt_state)
-        self._wait_for_compile(mode)
-        params, model_state, opt_state, loss, aux, ok = self._program(mode)(
+        program = self._programs.ready(mode)
+        params, model_state, opt_state, loss, aux, ok = program(
             params, model_state, opt_state, batch
         )
-        self._outputs = _step_inputs.Identity(params, model_state, opt_state)
+        self._inputs.returned(params, model_state, opt_state)
         if isinstance(mode, int):
             self._plan.advance(opt_state)  # the next call with it continues the plan
             if self._compile_ahead:
                 coming = self._plan.coming(self._compile_ahead)
-                self._compile_coming((params, model_state, opt_state, batch), coming)
-            self._unchecked.append((self._calls, mode, ok))
-            if len(self._unchecked) >= 2 * self._CHECK_LAG:  # the older half, at once
-                for _ in range(self._CHECK_LAG):
-                    self._check_phase(*self._unchecked.popleft())
-        if self._max_in_flight is not None:
-            self._in_flight.append(loss)
-            if len(self._in_flight) > self._max_in_flight:
-                self._in_flight.popleft().block_until_ready()
+                self._programs.compile_coming(coming, (params, model_state, opt_state, batch))
+            self._phase_checks.add(self._calls, mode, ok)
+        self._in_flight.add(loss)
         out: tuple[Any, ...] = (params, opt_state, loss)
         if self.with_model_state:
             out = (params, model_state, opt_state, loss)
         return out + ((aux,) if self.has_aux else ())
 
-    def _check_phase(self, call: int, mode: int, ok: Any) -> None:
-        # The phase comes from the counters, equal on every replica: one flag tells.
-        if not np.all(np.asarray(ok.addressable_data(0))):
-            raise RuntimeError(
-                f"data_parallel_step: call {call} ran the program of phase {mode}, but the "
-                "optimizer state was in another phase, so that step changed nothing (and "
-                "the later ones until now may not either). The step follows the step "
-                "counters on the host, assuming each call advances every hook and averager "
-                "by one; something in the optimizer skipped an update. Build the step with "
-                "specialize='switch', which branches on the device."
-            )
+    def compile(self, *args: Any, num_steps: int) -> dict[int | str, float]:
+        """Compiles, without running, the programs of the next ``num_steps`` calls.
+
+        With one program per phase, each phase compiles when it first occurs, which
+        stalls that step; a timed or latency-sensitive run calls this first, so that
+        no step compiles. Nothing is donated or changed.
+
+        Args:
+          *args: the step's own arguments, e.g. ``(params, opt_state, batch)``, as
+            the first of those calls will get them.
+          num_steps: how many calls to plan for (their phases are replayed from the
+            state's counters).
+
+        Returns:
+          ``{program: seconds}`` for each program compiled now (a phase index, or
+          ``"switch"`` / ``"cond"``); programs compiled before are left out.
+
+        Example:
+          >>> import jax.numpy as jnp, optax, lsgd_jax
+          >>> mesh = lsgd_jax.make_mesh(2, 4)
+          >>> tx = optax.chain(lsgd_jax.post_local_sgd(2), optax.sgd(0.1),
+          ...     lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(2, warmup_steps=2)))
+          >>> step = lsgd_jax.data_parallel_step(lambda p, b: jnp.mean((b @ p) ** 2), tx, mesh)
+          >>> p = lsgd_jax.replicate(jnp.zeros(3), mesh)
+          >>> s = lsgd_jax.replicate(tx.init(jnp.zeros(3)), mesh)
+          >>> sorted(step.compile(p, s, jnp.ones((8, 3)), num_steps=6))  # phases 2, 1, 0
+          [0, 1, 2]
+        """
+        plan = self.plan_of(*args, num_steps=num_steps)
+        return self._programs.compile(plan, self.jit_args(*args))
+
+    def plan_of(self, *args: Any, num_steps: int) -> list[int | str]:
+        """The program (phase index, or ``"switch"`` / ``"cond"``) each of the next
+        ``num_steps`` calls from these arguments runs, replayed from the step counters."""
+        num_steps = _validate.positive_int(num_steps, "num_steps")
+        return self._plan.replay(self.jit_args(*args)[2], num_steps)
+
+    def programs_of(self, *args: Any, num_steps: int) -> list[tuple[int | str, Any]]:
+        """``(program, jax.stages.Compiled)`` for each program of the next ``num_steps``
+        calls, in the order they first occur, compiled where needed (see :meth:`compile`)."""
+        jit_args = self.jit_args(*args)
+        modes = dict.fromkeys(self.plan_of(*args, num_steps=num_steps))
+        return [(k, self._programs.compiled(k, jit_args)) for k in modes]
 
     def lower(self, *args: Any) -> Any:
         """``jitted.lower`` for the step's own arguments (``jax.stages.Lowered``)."""

@@ -8,12 +8,14 @@ that names the leaf and says how to make it right.
 
 from __future__ import annotations
 
+import operator
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -101,17 +103,86 @@ def check_example_params(params: Any) -> Any:
     return params
 
 
-class Identity:
-    """The step's own last outputs, held to recognize them (``is``) when passed straight
-    back: those were checked and are alive."""
+class Inputs:
+    """A step's arguments: named, placed and checked, once per new value.
 
-    def __init__(self, *objects: Any) -> None:
-        self.objects = objects
+    The params and states a call returns come back as the next call's arguments; held
+    here (``returned``), they are recognized (``is``) and not checked again.
 
-    def same(self, *objects: Any) -> bool:
-        return len(objects) == len(self.objects) and all(
-            a is b for a, b in zip(objects, self.objects)
+    Args:
+      mesh, axes, with_model_state, fsdp_axes: the step's.
+      first_call: ``first_call(params, opt_state)``, the checks of the first call's
+        values (the build check on the user's model), run once.
+
+    Example:
+      >>> import jax.numpy as jnp, lsgd_jax
+      >>> from lsgd_jax.step._step_inputs import Inputs
+      >>> inputs = Inputs(lsgd_jax.make_mesh(2, 4), ("node", "local"), False, (),
+      ...                 lambda p, s: None)
+      >>> inputs.arguments((1, 2))
+      Traceback (most recent call last):
+      ...
+      TypeError: data_parallel_step: the step takes (params, opt_state, batch), got 2 arguments.
+    """
+
+    def __init__(
+        self,
+        mesh: Mesh,
+        axes: tuple[str, ...],
+        with_model_state: bool,
+        fsdp_axes: tuple[str, ...],
+        first_call: Any,
+    ) -> None:
+        self.mesh, self.axes, self.with_model_state = mesh, axes, with_model_state
+        self.replicas = int(np.prod([mesh.shape[a] for a in axes]))
+        self._processes = len({d.process_index for d in mesh.devices.flat})
+        self._split = int(np.prod([mesh.shape[a] for a in fsdp_axes]))
+        self._explicit = any(
+            t == jax.sharding.AxisType.Explicit
+            for a, t in zip(mesh.axis_names, getattr(mesh, "axis_types", ()) or ())
+            if a in axes
         )
+        self._first_call: Any = first_call
+        self._returned: tuple = ()
+
+    def arguments(self, args: tuple) -> tuple[Any, Any, Any, Any]:
+        """``(params, model_state, opt_state, batch)`` from the step's own arguments
+        (``model_state`` None without model state; the batch placed on the data axes
+        of a mesh with Explicit axes, as ``shard_map`` needs)."""
+        names: tuple[str, ...] = ("params", "model_state", "opt_state", "batch")
+        if not self.with_model_state:
+            names = ("params", "opt_state", "batch")
+        if len(args) != len(names):
+            raise TypeError(
+                f"data_parallel_step: the step takes ({', '.join(names)}), got {len(args)} "
+                "arguments."
+            )
+        if self.with_model_state:
+            params, model_state, opt_state, batch = args
+        else:
+            (params, opt_state, batch), model_state = args, None
+        if self._explicit:
+            batch = place_batch(batch, self.mesh, self.axes)
+        return params, model_state, opt_state, batch
+
+    def check(self, params: Any, model_state: Any, opt_state: Any, batch: Any) -> None:
+        """The per-replica values (unless the last call returned them) and the batch."""
+        values = (params, model_state, opt_state)
+        known = len(self._returned) == 3 and all(map(operator.is_, values, self._returned))
+        if not known:
+            n, mesh, axes = self.replicas, self.mesh, self.axes
+            check_replicated(params, "params", n, mesh, axes)
+            check_replicated(opt_state, "opt_state", n, mesh, axes)
+            if self.with_model_state:
+                check_replicated(model_state, "model_state", n, mesh, axes)
+            if self._first_call is not None:
+                self._first_call(params, opt_state)
+                self._first_call = None
+        check_batch(batch, self.replicas, self.axes, self._processes, self._split)
+
+    def returned(self, params: Any, model_state: Any, opt_state: Any) -> None:
+        """What a call returned: checked, alive, and expected back."""
+        self._returned = (params, model_state, opt_state)
 
 
 def check_batch(batch: Any, n: int, axes: tuple[str, ...], processes: int, split: int = 1) -> None:

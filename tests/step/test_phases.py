@@ -119,7 +119,7 @@ def test_one_program_per_phase_compiled_when_the_phase_first_occurs():
     seen = []
     for b in batches(5):
         p, s, _ = step(p, s, b)
-        seen.append(sorted(step._programs))
+        seen.append(sorted(step._programs.made()))
     # phase 2: global grads, no average; 1: local grads + average; 0: local, none
     assert seen == [[2], [2], [2], [1, 2], [0, 1, 2]]
     assert lsgd_jax.replay_phases(tx.init({}), 5).tolist() == [2, 2, 2, 1, 0]

@@ -150,7 +150,7 @@ def test_specialize_has_one_spelling_and_the_bools_are_its_aliases():
         for _ in range(5):
             params, state, _ = step(params, state, batch)
         results[spelling] = np.asarray(params)
-        programs[spelling] = sorted(map(str, step._programs))
+        programs[spelling] = sorted(map(str, step._programs.made()))
     assert programs["phase"] == programs[True] == ["0", "1", "2"]
     assert programs["switch"] == ["switch"] and programs["cond"] == programs[False] == ["cond"]
     for spelling, value in results.items():
@@ -172,7 +172,7 @@ def test_step_options_are_checked():
     with pytest.raises(ValueError, match=r"not \['nodes'\]"):  # a name, not its letters
         lsgd_jax.data_parallel_step(loss, tx, mesh, axes="nodes")
     ddp = optax.sgd(0.1)  # the hook's node-local mean needs "local" among the data axes
-    assert lsgd_jax.data_parallel_step(loss, ddp, mesh, axes="node")._spec.axes == ("node",)
+    assert lsgd_jax.data_parallel_step(loss, ddp, mesh, axes="node").spec.axes == ("node",)
     with pytest.warns(DeprecationWarning, match="overlap=True is deprecated"):
         lsgd_jax.data_parallel_step(loss, tx, mesh, overlap=True)
 
@@ -338,7 +338,7 @@ def test_compiler_options_reach_every_program(lowering):
     step, p = run(compiler_options={"xla_embed_ir_in_executable": True})
     _, want = run()
     np.testing.assert_array_equal(np.asarray(p), np.asarray(want))
-    assert step._spec.compiler_options == (("xla_embed_ir_in_executable", True),)
+    assert step.spec.compiler_options == (("xla_embed_ir_in_executable", True),)
     # An unknown option fails the first compile of a program, naming it.
     with pytest.raises(Exception, match="xla_no_such_option"):
         run(compiler_options={"xla_no_such_option": True})
