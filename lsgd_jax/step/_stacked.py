@@ -18,10 +18,11 @@ from typing import Any
 
 import jax
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lsgd_jax._core import _validate
+from lsgd_jax.averaging import _offload
 from lsgd_jax.mesh import check_cpu_threads
 from lsgd_jax.mesh._mesh import data_axes
 from lsgd_jax.step import _preflight
@@ -91,6 +92,9 @@ def stacked(
     def init_fn(params: optax.Params) -> optax.OptState:
         state = jax.vmap(tx.init)(params)
         check_model(params, state)
+        offloaded = jax.tree.leaves(state, is_leaf=_offload.is_offloaded)
+        if any(_offload.is_offloaded(x) for x in offloaded):
+            state = _place_like_replicate(state, mesh, rep)
         return state
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -109,3 +113,19 @@ def stacked(
         return mapped(updates, state, params)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _place_like_replicate(state: Any, mesh: Mesh, rep: P) -> Any:
+    """``state`` laid out as ``replicate`` lays it out: on the mesh, one replica per
+    slice, and an offloaded averager's buffers in host memory, where its programs
+    expect them (a traced state is left as it is)."""
+
+    def put(x: Any, kind: str | None = None) -> Any:
+        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+            return x
+        return jax.device_put(x, NamedSharding(mesh, rep, memory_kind=kind))
+
+    def node(x: Any) -> Any:
+        return _offload.place(x, put) if _offload.is_offloaded(x) else put(x)
+
+    return jax.tree.map(node, state, is_leaf=_offload.is_offloaded)

@@ -1,0 +1,1 @@
+"""Every option through every door: the option matrix (issue 33)."""
