@@ -3,7 +3,7 @@
 from lsgd_jax.averaging._averager_state import ModelAveragerState
 from lsgd_jax.averaging._averaging import HierarchicalModelAverager
 from lsgd_jax.averaging._averaging import PeriodicModelAverager
-from lsgd_jax.averaging._diloco import diloco_outer, num_outer_steps
+from lsgd_jax.averaging._diloco import DilocoOuter, diloco_outer, num_outer_steps
 from lsgd_jax.averaging._from_parts import from_parts
 from lsgd_jax.averaging._outer import Assign
 from lsgd_jax.averaging._outer import OuterStep
@@ -26,6 +26,7 @@ __all__ = [
     "PostLocalSGDOptimizerState",
     "SendDelta",
     "SendParams",
+    "DilocoOuter",
     "diloco_outer",
     "from_parts",
     "model_averaging",

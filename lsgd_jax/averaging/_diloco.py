@@ -145,7 +145,7 @@ def diloco_outer(
     Numbers may be Python, NumPy or (concrete) JAX scalars.
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` (a :class:`DilocoOuter`, which
+      An ``optax.GradientTransformationExtraArgs`` (a :class:`~lsgd_jax.averaging.DilocoOuter`, which
       carries ``outer_skip_first``; with ``cooldown=0``, ``optax.sgd``'s own).
 
     Raises:
