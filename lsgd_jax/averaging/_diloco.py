@@ -145,8 +145,9 @@ def diloco_outer(
     Numbers may be Python, NumPy or (concrete) JAX scalars.
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs`` (a :class:`~lsgd_jax.averaging.DilocoOuter`, which
-      carries ``outer_skip_first``; with ``cooldown=0``, ``optax.sgd``'s own).
+      An ``optax.GradientTransformationExtraArgs``: a
+      :class:`~lsgd_jax.averaging.DilocoOuter`, which carries ``outer_skip_first``
+      (with ``cooldown=0``, ``optax.sgd``'s own).
 
     Raises:
       TypeError: a value that is not a number of its kind (a bool, an array of another
