@@ -241,11 +241,15 @@ def test_coming_phases_compile_in_the_background(ahead):
             out.append(float(loss))
     finally:
         jax.monitoring.clear_event_listeners()
+    # the listener is process-wide: a step of an earlier test on this worker may still be
+    # compiling on its own background thread, so count the caller's compiles and ask this
+    # step whether it started a background compile at all
+    mine = where.count(threading.current_thread().name)
     background = [w for w in where if w.startswith("lsgd_jax-compile")]
     if ahead:
-        assert len(background) == 2 and where.count(threading.current_thread().name) == 1
+        assert len(background) >= 2 and mine == 1
     else:
-        assert background == [] and len(where) == 3
+        assert step._programs._executor is None and mine == 3
     # the same numbers either way
     step0 = lsgd_jax.data_parallel_step(loss_fn, tx, mesh, compile_ahead=0)
     p, s = lsgd_jax.replicate(init_params(), mesh), lsgd_jax.replicate(tx.init(init_params()), mesh)
