@@ -16,6 +16,7 @@ stopped: run the same command again. ``table`` prints what is there::
     python benchmarks/lm_sweep.py run --plan lm-ddp-lr --jobs 2
     python benchmarks/lm_sweep.py table --plan lm-ddp-lr
     python benchmarks/lm_sweep.py list            # the plans and their runs
+    python benchmarks/lm_sweep.py frontier --plot docs/lm_frontier.png
 
 A plan name is ``MODEL-SETUP-lr`` (a learning-rate sweep on seed 0) or
 ``MODEL-SETUP-seeds:LR`` (seeds 0, 1, 2 at that rate); MODEL is one of :data:`MODELS`,
@@ -30,6 +31,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import shlex
 import subprocess
 import sys
@@ -161,20 +163,157 @@ def table(runs: dict[str, list[str]], out: pathlib.Path) -> str:
     return "\n".join(rows)
 
 
+# What each tag of a run name means (docs/lm.md's frontier); a run without a tag is its
+# setup as SETUPS gives it.
+TAGS: dict[str, str] = {
+    "": "",
+    "q4ddp": "4-bit two-level DDP throughout",
+    "h16": "recipe, H=16",
+    "s200": "recipe, switch at 200",
+    "om09": "recipe, outer momentum 0.9",
+    "d8": "recipe, H=8",
+    "d4": "recipe, H=4",
+    "l8": "plain 8-bit averages, H=8",
+    "l16": "plain 8-bit averages, H=16",
+    "l32": "plain 8-bit averages, H=32",
+}
+NAME = re.compile(r"^(?P<model>[a-z]+)_(?P<setup>[a-z]+)(?:_(?P<tag>[a-z0-9]+))?"
+                  r"_lr(?P<lr>[0-9]+e-[0-9]+)_seed(?P<seed>[0-9]+)$")  # fmt: skip
+
+
+def records(out: pathlib.Path) -> dict[tuple[str, str, str, float], dict[int, dict]]:
+    """The finished runs in ``out``: ``{(model, setup, tag, lr): {seed: numbers}}``."""
+    found: dict[tuple[str, str, str, float], dict[int, dict]] = {}
+    for path in sorted(out.glob("*.json")):
+        m = NAME.match(path.stem)
+        r = load(out, path.stem) if m else None
+        if m and r is not None and r["done"]:
+            key = (m["model"], m["setup"], m["tag"] or "", float(m["lr"]))
+            found.setdefault(key, {})[int(m["seed"])] = r
+    return found
+
+
+def frontier(out: pathlib.Path) -> list[dict]:
+    """Each setup at its best inner learning rate (by seed 0), against the tuned DDP.
+
+    DDP's best rate is the one with the lowest seed-0 loss among its untagged runs. A
+    setup's gap on a seed is its loss less DDP's (tuned) on the same seed, for the seeds
+    both have; ``ratio`` is DDP's node-link bytes over the setup's.
+
+    Returns:
+      One dict a setup (model, setup, tag, label, lr, seeds, gaps, mean, lo, hi, mb,
+      ratio), DDP's own first in each model, sorted by model then bytes.
+    """
+    found = records(out)
+    rows = []
+    for model in sorted({k[0] for k in found}):
+        ddp = {k: v for k, v in found.items() if k[0] == model and k[1:3] == ("ddp", "")}
+        if not any(0 in v for v in ddp.values()):
+            continue
+        best_ddp = min((k for k in ddp if 0 in ddp[k]), key=lambda k: ddp[k][0]["val_loss"])
+        reference = ddp[best_ddp]
+        setups: dict[tuple[str, str], list] = {}
+        for key in found:
+            if key[0] == model and 0 in found[key]:
+                setups.setdefault(key[1:3], []).append(key)
+        for (setup, tag), keys in setups.items():
+            best = min(keys, key=lambda k: found[k][0]["val_loss"])
+            runs = found[best]
+            seeds = sorted(s for s in runs if s in reference)
+            gaps = [runs[s]["val_loss"] - reference[s]["val_loss"] for s in seeds]
+            mb = runs[0]["node_link_bytes"] / 1e6
+            rows.append({
+                "model": model, "setup": setup, "tag": tag, "lr": best[3], "seeds": seeds,
+                "label": TAGS.get(tag, tag) or {"ddp": "DDP", "recipe": "slow-link recipe"}.get(
+                    setup, setup),
+                "loss": sum(runs[s]["val_loss"] for s in seeds) / max(len(seeds), 1),
+                "gaps": gaps, "mean": sum(gaps) / max(len(gaps), 1),
+                "lo": min(gaps, default=0.0), "hi": max(gaps, default=0.0), "mb": mb,
+                "ratio": reference[0]["node_link_bytes"] / max(runs[0]["node_link_bytes"], 1),
+            })  # fmt: skip
+    rows.sort(key=lambda r: (r["model"], r["setup"] != "ddp", -r["mb"]))
+    return rows
+
+
+def frontier_table(rows: list[dict]) -> str:
+    """The frontier as a markdown table."""
+    out = [
+        "| model | setup | inner lr | seeds | loss (mean) | gap to tuned DDP: mean [range]"
+        " | node-link MB | DDP's bytes / its |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        gap = f"{r['mean']:+.4f} [{r['lo']:+.4f}, {r['hi']:+.4f}]"
+        out.append(
+            f"| {r['model']} | {r['label']} | {r['lr']:g} | {len(r['seeds'])} | {r['loss']:.4f}"
+            f" | {gap} | {r['mb']:,.1f} | {r['ratio']:.1f} |"
+        )
+    return "\n".join(out)
+
+
+def best_within(rows: list[dict], model: str, tolerance: float, seeds: int = 3) -> dict | None:
+    """The setup with the highest bytes ratio whose every seed (``seeds`` of them) ends
+    within ``tolerance`` of the tuned DDP on the same seed; None if there is none."""
+    ok = [r for r in rows if r["model"] == model and len(r["seeds"]) >= seeds
+          and r["hi"] <= tolerance and r["setup"] != "ddp"]  # fmt: skip
+    return max(ok, key=lambda r: r["ratio"], default=None)
+
+
+def plot(rows: list[dict], path: pathlib.Path) -> None:
+    """The frontier as a picture: per model, the gap to the tuned DDP (mean, and the
+    range over seeds) against DDP's bytes over the setup's; one seed is a hollow mark."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for r in (r for r in rows if r["model"] == model and r["setup"] != "ddp"):
+            err = [[r["mean"] - r["lo"]], [r["hi"] - r["mean"]]]
+            face = "C0" if len(r["seeds"]) >= 3 else "none"
+            ax.errorbar(r["ratio"], r["mean"], yerr=err, fmt="o", color="C0", mfc=face, capsize=3)
+            ax.annotate(r["label"], (r["ratio"], r["mean"]), textcoords="offset points",
+                        xytext=(5, 4), fontsize=7)  # fmt: skip
+        for tol, style in ((0.01, ":"), (0.02, "--"), (0.05, "-.")):
+            ax.axhline(tol, color="grey", ls=style, lw=0.8, label=f"+{tol}")
+        ax.axhline(0, color="black", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("DDP's node-link bytes / the setup's (whole run)")
+        ax.set_ylabel("final val loss - tuned DDP's (nats per byte)")
+        ax.set_title(f"{model}: each setup at its best inner rate")
+        ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
     if "--" in argv:
         extra, argv = argv[argv.index("--") + 1 :], argv[: argv.index("--")]
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("action", choices=["run", "table", "list"])
+    p.add_argument("action", choices=["run", "table", "list", "frontier"])
     p.add_argument("--plan", action="append", default=[], help="e.g. lm-ddp-lr (repeatable)")
     p.add_argument("--tag", default="", help="names a variant (its extra flags follow --)")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time")
     p.add_argument("--lrs", default="", help="learning rates of an -lr plan, e.g. 4e-3,8e-3")
     p.add_argument("--out", default=str(OUT), help="the folder of the records")
+    p.add_argument("--plot", default="", help="frontier: also draw it to this PNG")
     a = p.parse_args(argv)
     out = pathlib.Path(a.out)
+    if a.action == "frontier":
+        rows = frontier(out)
+        print(frontier_table(rows))
+        for model in sorted({r["model"] for r in rows}):
+            for tol in (0.01, 0.02, 0.05):
+                r = best_within(rows, model, tol)
+                print(f"{model}: within {tol} on 3 seeds: "
+                      + (f"{r['label']} at 1/{r['ratio']:.1f}" if r else "none"))  # fmt: skip
+        if a.plot:
+            plot(rows, pathlib.Path(a.plot))
+        return
     lrs = [float(x) for x in a.lrs.split(",")] if a.lrs else []
     if a.action == "list":
         plans = [f"{m}-{s}-lr" for m in MODELS for s in SETUPS]
