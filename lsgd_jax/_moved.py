@@ -38,7 +38,7 @@ MOVED = {  # old name under lsgd_jax -> its new home under lsgd_jax
     "_hook": "hook._hook",
     "_state": "hook._state",
     "_mesh": "mesh._mesh",
-    "_fsdp": "mesh._fsdp",
+    "_fsdp": "_core._fsdp",
     "_sync": "mesh._sync",
     "_step": "step._step",
     "_step_program": "step._step_program",

@@ -433,3 +433,15 @@ def cast_like(tree: Any, like: Any) -> Any:
         tree,
         like,
     )
+
+
+def select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
+    """``jnp.where(pred, a, b)`` leaf by leaf, for a scalar ``pred``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from lsgd_jax._core._collectives import select
+      >>> select(jnp.bool_(True), {"a": 1.0}, {"a": 2.0})
+      {'a': Array(1., dtype=float32, weak_type=True)}
+    """
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)

@@ -65,11 +65,14 @@ def average_level(
     new_p = parts.what.receive(mean_x, a_in, p_in)
     new_p, state = parts.then.apply(new_p, a_in, state, skipped, is_global)
     if skipped is not None:  # a skipped average changes nothing but the step
-        new_p, mean_e = _outer.select(skipped, p_in, new_p), _outer.select(skipped, e_in, mean_e)
+        new_p, mean_e = (
+            _collectives.select(skipped, p_in, new_p),
+            _collectives.select(skipped, e_in, mean_e),
+        )
     if is_global and state.anchor is not None:
         new_anchor = cut.put(state.anchor, new_p)
         if skipped is not None:  # kept as it was, or made common (_anchor_in)
-            new_anchor = _outer.select(skipped, cut.put(state.anchor, a_in), new_anchor)
+            new_anchor = _collectives.select(skipped, cut.put(state.anchor, a_in), new_anchor)
         state = state.replace(anchor=_collectives.cast_like(new_anchor, state.anchor))
     new_p, mean_e = cut.put(params, new_p), cut.put_aligned(extra, params, mean_e)
     new_p, mean_e = _collectives.cast_like(new_p, params), _collectives.cast_like(mean_e, extra)
@@ -116,7 +119,7 @@ def _mean(
     if residual is not None:
         new_residual = _collectives.cast_like(cut.put(residual, call_state[0]), residual)
         if skipped is not None:
-            new_residual = _outer.select(skipped, residual, new_residual)
+            new_residual = _collectives.select(skipped, residual, new_residual)
         state = state.replace(comm_state=new_residual)
     if state.skipped is not None:
         state = state.replace(skipped=_record(skipped, state.skipped))
@@ -253,4 +256,4 @@ def like_params(
     mean = alongside(averager, tree, before, strategy)
     if after.skipped is None:
         return mean
-    return _collectives.cast_like(_outer.select(after.skipped, tree, mean), tree)
+    return _collectives.cast_like(_collectives.select(after.skipped, tree, mean), tree)

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from lsgd_jax import comm
 from lsgd_jax._core import _leaves
 from lsgd_jax._core import _state_protocol as sp
 from lsgd_jax._core._struct import pytree_dataclass
@@ -163,4 +164,4 @@ def initial_state(averager: Any, params: Any = None) -> ModelAveragerState:
         state = state.replace(inflight_start=start, inflight_mean=start)
     if averager.communicator.may_skip:
         state = state.replace(skipped=jnp.zeros([], bool))
-    return state.replace(comm_state=averager.communicator.init(params))
+    return state.replace(comm_state=comm.initial_state(averager.communicator, params))

@@ -31,7 +31,7 @@ import numpy as np
 import optax
 
 from lsgd_jax._core import _validate
-from lsgd_jax.schedules._schedule import AdaptiveSchedule
+from lsgd_jax.schedules import AdaptiveSchedule
 
 
 def num_outer_steps(num_steps: int, warmup_steps: int, period: int | Callable) -> int:

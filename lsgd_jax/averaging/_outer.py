@@ -29,19 +29,7 @@ import optax
 from jax import lax
 
 from lsgd_jax._core import _collectives
-from lsgd_jax._core._collectives import Group, IndexGroups
-
-
-def select(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
-    """``jnp.where(pred, a, b)`` leaf by leaf, for a scalar ``pred``.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from lsgd_jax.averaging import _outer
-      >>> _outer.select(jnp.bool_(True), {"a": 1.0}, {"a": 2.0})
-      {'a': Array(1., dtype=float32, weak_type=True)}
-    """
-    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+from lsgd_jax._core._collectives import Group, IndexGroups, select
 
 
 def delta_of(values: Any, anchor: Any) -> Any:

@@ -28,7 +28,7 @@ from lsgd_jax.checkpoint import _checkpoint_config as _config
 from lsgd_jax.checkpoint import _checkpoint_files as _files
 from lsgd_jax.checkpoint import _format, _resize
 from lsgd_jax.checkpoint._checkpoint_files import UnreadableCheckpointError
-from lsgd_jax.mesh._sync import assert_replicas_in_sync
+from lsgd_jax.mesh import assert_replicas_in_sync
 
 
 def _as_array(path: str, x: Any) -> Any:

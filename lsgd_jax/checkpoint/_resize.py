@@ -34,7 +34,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lsgd_jax._core import _state_protocol as sp
-from lsgd_jax.mesh._sync import ReplicasOutOfSyncError, _ranges
+from lsgd_jax._core._replicas import ranges
+from lsgd_jax.mesh import ReplicasOutOfSyncError
 
 _SKIPPED = sp.FLAG  # whether any saved replica's group did (ModelAveragerState.skipped)
 
@@ -168,7 +169,7 @@ def _disagree(step: int, bad: list[tuple[str, Any]]) -> None:
         groups: dict[int, list[str]] = {}
         for v in dict.fromkeys(int(v) for v in flat[:, col]):
             reps = [r for r in range(flat.shape[0]) if int(flat[r, col]) == v]
-            groups[v] = [f"replica{'s' if len(reps) > 1 else ''} {_ranges(reps)}"]
+            groups[v] = [f"replica{'s' if len(reps) > 1 else ''} {ranges(reps)}"]
         name = path or "(root)"
         values[name] = groups
         lines.append(f"{name}{where}: " + "; ".join(f"{v} on {g[0]}" for v, g in groups.items()))

@@ -70,7 +70,16 @@ class Communication(abc.ABC):
 
     @abc.abstractmethod
     def init(self, tree: Any) -> Any:
-        """The initial state for values shaped like ``tree`` (None: stateless)."""
+        """The initial state for values shaped like ``tree``: None unless
+        :attr:`keeps_state`, else a state that ``mean`` takes for a ``tree`` of this
+        structure (e.g. an error-feedback residual of zeros shaped like it)."""
+
+    @property
+    def keeps_state(self) -> bool:
+        """Whether this strategy keeps per-replica state between means (error feedback):
+        the hook and the averagers then create it with ``init(params)``, pass it to every
+        ``mean`` and keep what the mean gives back (default False)."""
+        return False
 
     # What a strategy can do, asked instead of testing for its class (a strategy written
     # elsewhere answers for itself; these are the defaults of an exact mean).
@@ -99,6 +108,25 @@ class Communication(abc.ABC):
           TwoLevel(inner_axis='local')
         """
         return self
+
+
+def initial_state(strategy: Communication, tree: Any) -> Any:
+    """``strategy.init(tree)``, checked against what the strategy declares
+    (:attr:`Communication.keeps_state`): what the hook and the averagers call.
+
+    Raises:
+      TypeError: ``init`` returned a state and ``keeps_state`` is False, or the reverse.
+    """
+    state = strategy.init(tree)
+    if (state is not None) != bool(strategy.keeps_state):
+        got = "a state" if state is not None else "None"
+        raise TypeError(
+            f"{strategy!r}: init returned {got} but keeps_state is {strategy.keeps_state}. A "
+            "strategy that keeps per-replica state between means (error feedback) returns "
+            "it from init and says so with a keeps_state property that returns True; one "
+            "that does not returns None and leaves keeps_state False."
+        )
+    return state
 
 
 def apply(

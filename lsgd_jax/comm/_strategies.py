@@ -230,6 +230,11 @@ class Quantized(Communication):
         )
         return Mean(value, None, state)
 
+    @property
+    def keeps_state(self) -> bool:
+        """With error feedback: the residual, per replica."""
+        return self.error_feedback
+
     def init(self, tree: Any) -> Any:
         """Zeros shaped like ``tree`` (the residual), or None without error feedback."""
         if not self.error_feedback:

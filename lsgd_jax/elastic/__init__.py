@@ -55,7 +55,7 @@ from lsgd_jax.elastic._process import LeftBehindError
 # Names lsgd_jax.elastic had as a module (before commit 9c4ecf6), kept as they were:
 # attributes, not in __all__ (use_compilation_cache is lsgd_jax.use_compilation_cache).
 from lsgd_jax.elastic._initialize import logger as logger
-from lsgd_jax.step._compile_cache import use_compilation_cache as use_compilation_cache
+from lsgd_jax.step import use_compilation_cache as use_compilation_cache
 
 __all__ = [
     "CoordinatorLostError",

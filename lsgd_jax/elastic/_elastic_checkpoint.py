@@ -40,9 +40,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from lsgd_jax import checkpoint
 from lsgd_jax._core import _validate
-from lsgd_jax.checkpoint import _checkpoint, _format
-from lsgd_jax.checkpoint import _checkpoint_files as _files
 from lsgd_jax.elastic._attempts import loop_axes
 
 logger = logging.getLogger("lsgd_jax.elastic")
@@ -82,7 +81,7 @@ def check_args(checkpoint_dir: Any, checkpoint_every: Any) -> tuple[str | None, 
     path = os.path.abspath(os.fspath(checkpoint_dir))
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"ElasticLoop: checkpoint_dir={path!r} exists and is not a folder.")
-    _format.ocp()  # ImportError now, with the install hint, if orbax is missing
+    checkpoint.require_orbax()  # ImportError now, with the install hint, if orbax is missing
     return path, every
 
 
@@ -102,13 +101,7 @@ def latest_step(directory: str | os.PathLike) -> int | None:
       ...     print(latest_step(d))
       None
     """
-    if not os.path.isdir(directory):
-        return None
-    names = {n for n in os.listdir(directory) if n.isdigit()}
-    for step in reversed(_format.steps(directory)):
-        if str(step) in names and _files.damage(_files.step_dir(directory, step)) is None:
-            return step
-    return None
+    return checkpoint.latest_readable_step(directory)
 
 
 def _gathered(state: Any) -> dict[str, Any]:
@@ -192,8 +185,7 @@ class Checkpoints:
             return
         if any(s == step for _, _, s in self._pending):
             return  # this process's writer of this step is still at it
-        paths, leaves, treedef = _format.flatten(tree)
-        manifest = _format.manifest(tree, paths, leaves, treedef)
+        leaves, manifest = checkpoint.stage(tree)
         child, staging = _start_writer(self.directory, step, leaves, manifest)
         self._pending.append((child, staging, step))
 
@@ -246,7 +238,7 @@ class Checkpoints:
     ) -> tuple[Any, ...]:
         """``(params, [model_state,] opt_state)`` of checkpoint ``step`` over ``mesh``
         (its replicas resized to the mesh's), read by every process of the mesh."""
-        from lsgd_jax.mesh._mesh import replicate
+        from lsgd_jax.mesh import replicate
 
         inside = self.shard_over
 
@@ -258,7 +250,7 @@ class Checkpoints:
             target["model_state"] = place(init_model_state)
         try:
             # Only the mesh's processes take part (the step is agreed already).
-            tree = _checkpoint.restore_checkpoint(
+            tree = checkpoint.restore_checkpoint(
                 self.directory, target, step, resize=True, check_in_sync=False
             )
         except ValueError as e:
@@ -323,13 +315,9 @@ def write_staged(staging: str, directory: str, step: int) -> None:
     with open(os.path.join(staging, "state.pkl"), "rb") as f:
         staged = pickle.load(f)
     out = os.path.join(staging, "ckpt")
-    with _format.manager(out) as manager:
-        manager.save(step, args=_format.save_args(staged["leaves"], staged["manifest"]), force=True)
-        manager.wait_until_finished()
-    written = os.path.join(out, str(step))
-    _files.write_file_sizes(written)
+    written = checkpoint.save_staged(out, step, staged["leaves"], staged["manifest"])
     try:
-        os.rename(written, _files.step_dir(directory, step))
+        os.rename(written, checkpoint.step_dir(directory, step))
     except OSError:  # another writer finalized this step first: its copy stands
         pass
     shutil.rmtree(staging, ignore_errors=True)
@@ -346,7 +334,7 @@ def _failed(directory: str, step: int, staging: str, code: int) -> RuntimeError:
 
 def finalized(directory: str, step: int) -> bool:
     """Whether checkpoint ``step`` is finalized under ``directory``."""
-    return os.path.isdir(_files.step_dir(directory, step))
+    return os.path.isdir(checkpoint.step_dir(directory, step))
 
 
 if __name__ == "__main__":  # the writer process: STAGING DIRECTORY STEP

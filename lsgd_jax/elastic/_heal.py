@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lsgd_jax._core import _state_protocol as sp
-from lsgd_jax.mesh._mesh import _num_replicas, replica_spec
+from lsgd_jax._core._replicas import num_replicas, replica_spec
 
 
 def reshard(tree: Any, mesh: Mesh, axes: tuple[str, ...], inside: tuple[str, ...] = ()) -> Any:
@@ -56,7 +56,7 @@ def reshard(tree: Any, mesh: Mesh, axes: tuple[str, ...], inside: tuple[str, ...
       >>> reshard({"w": x}, b, ("node", "local"))["w"]  # each device kept its value
       Array([1., 0.], dtype=float32)
     """
-    n = _num_replicas(mesh, axes)
+    n = num_replicas(mesh, axes)
 
     def one(x):
         shape = (n, *x.shape[1:])
@@ -88,7 +88,7 @@ def _bounds(index: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[tuple[int, 
 def local_flags(mesh: Mesh, axes: tuple[str, ...], value: bool) -> jax.Array:
     """A per-replica bool array over ``mesh``: ``value`` on every replica of this process."""
     sharding = NamedSharding(mesh, P(axes))
-    n = _num_replicas(mesh, axes)
+    n = num_replicas(mesh, axes)
 
     def fill(idx: Any) -> np.ndarray:
         return np.full(len(range(n)[idx[0]]), value)
@@ -157,7 +157,7 @@ def heal(
     """
     join = local_flags(mesh, axes, joining)
     sharding = NamedSharding(mesh, P(axes))
-    n = _num_replicas(mesh, axes)
+    n = num_replicas(mesh, axes)
     first: Any = sharding.addressable_devices_indices_map((n,))
     lowest = min(idx[0].start or 0 for idx in first.values())
 

@@ -18,8 +18,8 @@ import numpy as np
 from lsgd_jax._core import _validate
 from lsgd_jax.elastic import _membership, _process
 from lsgd_jax.elastic._process import CoordinatorLostError
-from lsgd_jax.mesh._threads import simulate_cpu_devices
-from lsgd_jax.step._compile_cache import use_compilation_cache
+from lsgd_jax.mesh import simulate_cpu_devices
+from lsgd_jax.step import use_compilation_cache
 
 logger = logging.getLogger("lsgd_jax.elastic")
 

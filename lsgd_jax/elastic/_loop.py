@@ -27,7 +27,7 @@ from lsgd_jax.elastic._start import (
 
 def _consensus_work(model_state: bool) -> Callable[..., Any]:
     """The consensus attempt's work: the mean params (and model state) of the replicas."""
-    from lsgd_jax.mesh._mesh import consensus
+    from lsgd_jax.mesh import consensus
 
     def work(state, step, layout):
         if model_state:
@@ -49,7 +49,7 @@ class _TrainWork:
         self._axes = _attempts.loop_axes(inside)
 
     def step_fn(self, layout: Layout):
-        from lsgd_jax.step._step import data_parallel_step
+        from lsgd_jax.step import data_parallel_step
 
         key = tuple(d.id for d in layout.mesh.devices.flat)
         if key not in self._steps:

@@ -34,7 +34,7 @@ def _check_state(
     opt_state)`` with model state) of this loop's structure and shapes, with one
     replica on each of this process's devices (what a step needs), or with ``inside``
     (FSDP) one replica over them, each device holding its shard of every leaf."""
-    from lsgd_jax.mesh._mesh import _num_replicas, replica_spec
+    from lsgd_jax._core._replicas import num_replicas, replica_spec
 
     where = "ElasticLoop.run: initial_state"
     names = _state_names(init_model_state)
@@ -52,7 +52,7 @@ def _check_state(
 
     def shard_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
         spec = replica_spec(shape, mine, axes, inside)
-        return NamedSharding(mine, spec).shard_shape((_num_replicas(mine, axes), *shape))
+        return NamedSharding(mine, spec).shard_shape((num_replicas(mine, axes), *shape))
 
     for name, tree, model in zip(names, state, like):
         got: Any = jax.tree.structure(tree)
@@ -155,7 +155,7 @@ def _check_loop_args(
     """ElasticLoop's argument checks, all before it needs ``jax.distributed``: the step
     options by building the step once on one device (it checks them as the real one
     will), so that a bad one fails here and not in every attempt."""
-    from lsgd_jax.step._step import data_parallel_step
+    from lsgd_jax.step import data_parallel_step
 
     options = dict(step_options or {})
     bad = sorted(set(options) & set(_FORBIDDEN_OPTIONS))
@@ -218,7 +218,7 @@ def _fresh_state(
 ) -> tuple:
     """A fresh state over ``mesh``: ``(params, [model_state,] opt_state)``, replicated
     (with ``inside``, FSDP axes: one replica a process, sharded over its devices)."""
-    from lsgd_jax.mesh._mesh import replicate
+    from lsgd_jax.mesh import replicate
 
     def place(tree):
         return replicate(tree, mesh, _attempts.loop_axes(inside), shard_over=inside or None)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from lsgd_jax import comm
 from lsgd_jax._core import _collectives, _leaves, _validate
 from lsgd_jax._core import _state_protocol as sp
 from lsgd_jax._core._collectives import GroupSpec
@@ -39,8 +40,9 @@ def _check_communication(communication: Any, what: str) -> Any:
 
 def keeps_residual(communication: Any) -> bool:
     """Whether ``communication`` keeps per-replica state (error feedback) for the values
-    it averages, which the hook then carries in ``PostLocalSGDState.comm_state``."""
-    return communication is not None and communication.init({"g": jnp.zeros(2)}) is not None
+    it averages, which the hook then carries in ``PostLocalSGDState.comm_state``: the
+    strategy's own ``keeps_state``."""
+    return communication is not None and bool(communication.keeps_state)
 
 
 @pytree_dataclass(omit_if_none="comm_state")  # the structure of a state without
@@ -169,7 +171,7 @@ class PostLocalSGDState(sp.PhasedState):
                 "needs them: create it with state.init(params) (or "
                 "post_local_sgd(...).init(params)), or use error_feedback=False."
             )
-        return self.replace(iter=fresh, comm_state=self.communication.init(params))
+        return self.replace(iter=fresh, comm_state=comm.initial_state(self.communication, params))
 
     @property
     def num_phases(self) -> int:

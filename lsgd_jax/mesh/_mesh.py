@@ -12,10 +12,8 @@ from jax.sharding import Mesh
 from jax.tree_util import tree_flatten_with_path
 
 from lsgd_jax._core import _leaves, _validate
+from lsgd_jax._core._replicas import LOCAL_AXIS, NODE_AXIS, num_replicas, replica_spec
 from lsgd_jax.mesh import _threads
-
-NODE_AXIS = "node"
-LOCAL_AXIS = "local"
 
 
 def make_mesh(
@@ -134,10 +132,6 @@ def data_axes(mesh: Mesh) -> tuple[str, ...]:
     return names
 
 
-def _num_replicas(mesh: Mesh, axes: tuple[str, ...]) -> int:
-    return int(np.prod([mesh.shape[a] for a in axes]))
-
-
 def replicate(
     tree: Any,
     mesh: Mesh,
@@ -194,8 +188,8 @@ def replicate(
     """
     from jax.sharding import NamedSharding
 
-    from lsgd_jax.averaging import _offload
-    from lsgd_jax.mesh import _fsdp
+    from lsgd_jax import averaging
+    from lsgd_jax._core import _fsdp
 
     if not isinstance(mesh, Mesh):
         raise TypeError(
@@ -205,7 +199,7 @@ def replicate(
         )
     axes = tuple(axes) if axes is not None else data_axes(mesh)
     inside = _fsdp.check_axes(mesh, axes, shard_over, "replicate: shard_over")
-    n = _num_replicas(mesh, axes)
+    n = num_replicas(mesh, axes)
     _leaves.refuse_non_arrays(tree, "replicate")
     _leaves.name_python_numbers(tree, "replicate", n)
     _threads.check_cpu_threads(mesh)  # a mesh not from make_mesh: warned here, once
@@ -218,30 +212,9 @@ def replicate(
         return jax.make_array_from_callback(full.shape, sharding, lambda index: full[index])
 
     def node(x):  # an offloaded averager's buffers go to host memory
-        return _offload.place(x, one) if _offload.is_offloaded(x) else one(x)
+        return averaging.place(x, one) if averaging.is_offloaded(x) else one(x)
 
-    return jax.tree.map(node, tree, is_leaf=_offload.is_offloaded)
-
-
-def replica_spec(shape: Sequence[int], mesh: Mesh, axes: tuple[str, ...], inside: tuple[str, ...]):
-    """How :func:`replicate` lays out a leaf of ``shape`` (without its replica axis): the
-    replica axis over ``axes``, and inside each replica the FSDP rule over ``inside``.
-
-    Example:
-      >>> import lsgd_jax
-      >>> from lsgd_jax.mesh._mesh import replica_spec
-      >>> mesh = lsgd_jax.make_mesh(2, 4)
-      >>> replica_spec((3, 8), mesh, ("node",), ("local",)), replica_spec((3,), mesh, ("node",), ())
-      (P('node', None, 'local'), P('node',))
-    """
-    from jax.sharding import PartitionSpec
-
-    from lsgd_jax.mesh import _fsdp
-
-    inner = list(_fsdp.leaf_spec(shape, mesh, inside))
-    while inner and inner[-1] is None:  # P(axes) when nothing is split inside
-        inner.pop()
-    return PartitionSpec(axes, *inner)
+    return jax.tree.map(node, tree, is_leaf=averaging.is_offloaded)
 
 
 def _leading_split(x: Any) -> tuple[tuple[str, ...], Any] | None:
@@ -317,11 +290,11 @@ def _replica_counts_on_meshes(leaves: list[tuple[str, Any]], who: str, fix: str)
                 f"{who}: leaf {name} of shape {x.shape} is one copy on every device of its "
                 f"mesh (sharding {x.sharding.spec}), not one per replica: per-replica "
                 f"values have one entry a replica on their leading axis, split over the "
-                f"data axes {data} ({_num_replicas(mesh, data)} replicas, one a device, as "
+                f"data axes {data} ({num_replicas(mesh, data)} replicas, one a device, as "
                 f"lsgd_jax.replicate(x, mesh) makes). {fix} If its rows are the replicas' "
                 f"values, lay them out so: jax.device_put(x, NamedSharding(mesh, P({data})))."
             )
-        count = _num_replicas(mesh, axes)
+        count = num_replicas(mesh, axes)
         if not set(axes) <= set(data):
             raise ValueError(
                 f"{who}: leaf {name} of shape {x.shape} has its leading axis split over "

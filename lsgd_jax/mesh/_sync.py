@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from lsgd_jax._core import _state_protocol as sp
+from lsgd_jax._core._replicas import ranges
 
 # One record per counter value held here: (counter index, replica, device id, value).
 _FIELDS = 4
@@ -126,18 +127,6 @@ def _allgather(x: np.ndarray) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=False))
 
 
-def _ranges(ints: list[int]) -> str:
-    ints = sorted(set(ints))
-    parts, i = [], 0
-    while i < len(ints):
-        j = i
-        while j + 1 < len(ints) and ints[j + 1] == ints[j] + 1:
-            j += 1
-        parts.append(str(ints[i]) if i == j else f"{ints[i]}-{ints[j]}")
-        i = j + 1
-    return ",".join(parts)
-
-
 def _where(records: np.ndarray, procs: np.ndarray) -> list[str]:
     """Readable locations: "replicas 0-3 (process 0)", "device 5 (process 1)", ..."""
     out = []
@@ -146,9 +135,9 @@ def _where(records: np.ndarray, procs: np.ndarray) -> list[str]:
         reps = [int(r) for r in mine[:, 1] if r >= 0]
         devs = [int(d) for d in mine[:, 2] if d >= 0]
         if reps:
-            what = f"replica{'s' if len(set(reps)) > 1 else ''} {_ranges(reps)}"
+            what = f"replica{'s' if len(set(reps)) > 1 else ''} {ranges(reps)}"
         elif devs:
-            what = f"device{'s' if len(set(devs)) > 1 else ''} {_ranges(devs)}"
+            what = f"device{'s' if len(set(devs)) > 1 else ''} {ranges(devs)}"
         else:
             what = "host"
         out.append(f"{what} (process {p})")

@@ -18,9 +18,8 @@ from typing import Any
 import numpy as np
 
 from lsgd_jax._core import _validate
-from lsgd_jax.mesh._mesh import LOCAL_AXIS
-from lsgd_jax.report._hlo import parse_hlo
-from lsgd_jax.report._records import CommunicationReport
+from lsgd_jax._core._replicas import LOCAL_AXIS
+from lsgd_jax.report import CommunicationReport, parse_hlo
 from lsgd_jax.step import _phase
 from lsgd_jax.step._phase_plan import skips_on_device
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from lsgd_jax._core import _collectives
 from lsgd_jax._core import _state_protocol as sp
-from lsgd_jax.hook._hook import DEFAULT_SUBGROUP
+from lsgd_jax.hook import DEFAULT_SUBGROUP
 from lsgd_jax.step import _chain_order
 
 

@@ -21,10 +21,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from lsgd_jax import averaging
 from lsgd_jax._core import _validate
-from lsgd_jax.averaging import _offload
-from lsgd_jax.mesh import check_cpu_threads
-from lsgd_jax.mesh._mesh import data_axes
+from lsgd_jax.mesh import check_cpu_threads, data_axes
 from lsgd_jax.step import _preflight
 
 
@@ -92,8 +91,8 @@ def stacked(
     def init_fn(params: optax.Params) -> optax.OptState:
         state = jax.vmap(tx.init)(params)
         check_model(params, state)
-        offloaded = jax.tree.leaves(state, is_leaf=_offload.is_offloaded)
-        if any(_offload.is_offloaded(x) for x in offloaded):
+        offloaded = jax.tree.leaves(state, is_leaf=averaging.is_offloaded)
+        if any(averaging.is_offloaded(x) for x in offloaded):
             state = _place_like_replicate(state, mesh, rep)
         return state
 
@@ -126,6 +125,6 @@ def _place_like_replicate(state: Any, mesh: Mesh, rep: P) -> Any:
         return jax.device_put(x, NamedSharding(mesh, rep, memory_kind=kind))
 
     def node(x: Any) -> Any:
-        return _offload.place(x, put) if _offload.is_offloaded(x) else put(x)
+        return averaging.place(x, put) if averaging.is_offloaded(x) else put(x)
 
-    return jax.tree.map(node, state, is_leaf=_offload.is_offloaded)
+    return jax.tree.map(node, state, is_leaf=averaging.is_offloaded)

@@ -14,11 +14,9 @@ from typing import Any
 import optax
 from jax.sharding import Mesh
 
-from lsgd_jax._core import _validate
-from lsgd_jax.mesh import _fsdp, check_cpu_threads
-from lsgd_jax.mesh._mesh import data_axes
-from lsgd_jax.mesh._sync import assert_replicas_in_sync
-from lsgd_jax.report._report import communication_report
+from lsgd_jax._core import _fsdp, _validate
+from lsgd_jax.mesh import assert_replicas_in_sync, check_cpu_threads, data_axes
+from lsgd_jax.report import communication_report
 from lsgd_jax.step import _ahead, _flight, _preflight, _step_inputs, _step_program
 from lsgd_jax.step._phase_plan import PhasePlan
 from lsgd_jax.step._step_program import MAX_PHASES, StepSpec, averager_states

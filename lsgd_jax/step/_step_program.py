@@ -27,12 +27,10 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lsgd_jax._core import _collectives, _leaves
+from lsgd_jax._core import _collectives, _fsdp, _leaves
 from lsgd_jax._core import _state_protocol as sp
-from lsgd_jax.averaging import _outer
-from lsgd_jax.averaging._averager_state import ModelAveragerState
-from lsgd_jax.mesh import _fsdp
-from lsgd_jax.mesh._mesh import _num_replicas
+from lsgd_jax._core._replicas import num_replicas
+from lsgd_jax.averaging import ModelAveragerState
 from lsgd_jax.step import _pairing, _phase, _preflight
 
 MAX_PHASES = 16
@@ -108,9 +106,9 @@ def _average_like_params(model_state: Any, opt_state: Any, new_opt_state: Any) -
     ``optax.apply_if_finite`` can keep the inner state (and so the averager's step) as it
     was, and then the params did not average either. A group whose params' average was
     skipped (a non-finite policy) keeps its model state too; see
-    ``_average_call.like_params``.
+    ``lsgd_jax.averaging.like_params``.
     """
-    from lsgd_jax.averaging import _average_call  # noqa: PLC0415  (this function's own helper)
+    from lsgd_jax.averaging import like_params  # noqa: PLC0415
 
     states = averager_states(opt_state)
     if not states:
@@ -125,7 +123,7 @@ def _average_like_params(model_state: Any, opt_state: Any, new_opt_state: Any) -
     ran = after.counter != state.counter
 
     def average(tree):
-        return _average_call.like_params(state.averager, tree, state, after)
+        return like_params(state.averager, tree, state, after)
 
     if state.pinned_phase is None:
         return lax.cond(ran, average, lambda tree: tree, model_state)
@@ -136,7 +134,7 @@ def _average_like_params(model_state: Any, opt_state: Any, new_opt_state: Any) -
     # node's). The mean is taken as the phase says and dropped where the averager did not
     # run (an optax wrapper such as MultiSteps skipped it): bytes spent only there.
     return _collectives.cast_like(
-        _outer.select(ran, average(model_state), model_state), model_state
+        _collectives.select(ran, average(model_state), model_state), model_state
     )
 
 
@@ -268,7 +266,7 @@ def _replica_body(spec: StepSpec, mode: int | str, work: Callable[..., tuple]) -
         if isinstance(mode, int):
             *new, loss, aux = work(operands, mode)
             ok = _computed_once(_phase.phase_index(opt_state) == mode)
-            out = _outer.select(ok, tuple(new), (params, model_state, opt_state))
+            out = _collectives.select(ok, tuple(new), (params, model_state, opt_state))
         elif mode == "switch" and 1 < n <= MAX_PHASES:
             *out, loss, aux = _switch_over_phases(work, operands, axes)
         else:
@@ -323,7 +321,7 @@ def program(spec: StepSpec, mode: int | str) -> Any:
     )
 
     def step(params, model_state, opt_state, batch):
-        n = _num_replicas(spec.mesh, spec.axes)
+        n = num_replicas(spec.mesh, spec.axes)
         per_replica = jax.tree.map(lambda x: x.reshape(n, -1, *x.shape[1:]), batch)
         replicas = NamedSharding(spec.mesh, rep)
         if _preflight.explicit_axes(spec.mesh, spec.axes):  # sharding in the types

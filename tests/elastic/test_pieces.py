@@ -588,7 +588,7 @@ def test_the_elastic_example_reads_the_digits_scikit_learn_ships():
 def fsdp_replicas(mesh, values):
     """Per-process replicas (one a mesh row), each leaf split over the row's devices as
     lsgd_jax.replicate(..., axes=("node",), shard_over="local") lays it out."""
-    from lsgd_jax.mesh._mesh import replica_spec
+    from lsgd_jax._core._replicas import replica_spec
 
     spec = replica_spec(np.shape(values)[1:], mesh, ("node",), ("local",))
     return jax.device_put(jnp.asarray(values), NamedSharding(mesh, spec))

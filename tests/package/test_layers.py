@@ -5,6 +5,7 @@ functions count too: a circle hidden in a function is still a circle).
 """
 
 import ast
+import importlib
 import pathlib
 
 from helpers import isinstance_sites
@@ -54,6 +55,68 @@ def test_no_folder_imports_a_later_layer_or_a_peer():
             if other not in LAYER or LAYER[other] >= LAYER[folder]:
                 wrong.append(f"{path.relative_to(PACKAGE)} imports {other}")
     assert not wrong, "\n".join(sorted(wrong))
+
+
+def private_reaches(path: pathlib.Path, folder: str) -> list[str]:
+    """Where a module reaches into another room's privates: a private module of it
+    (``lsgd_jax.mesh._mesh``) or a private name of its package (``from lsgd_jax.mesh
+    import _fsdp``). ``_core`` is every room's."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lsgd_jax."):
+            parts = node.module.split(".")
+            if parts[1] in (folder, "_core"):
+                continue
+            names = [a.name for a in node.names]
+            if any(p.startswith("_") for p in parts[2:]) or any(n.startswith("_") for n in names):
+                found.append(f"from {node.module} import {', '.join(names)}")
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                parts = a.name.split(".")
+                if parts[0] == "lsgd_jax" and len(parts) > 2 and parts[1] not in (folder, "_core"):
+                    if any(p.startswith("_") for p in parts[2:]):
+                        found.append(f"import {a.name}")
+    return found
+
+
+def test_no_room_imports_another_rooms_private_modules():
+    """Issue 35: a room uses another through its package (``from lsgd_jax.mesh import
+    replicate``); what several rooms share lives in ``_core``. A package lists in
+    ``_FOR_OTHER_ROOMS`` the names outside ``__all__`` that other rooms use."""
+    wrong = []
+    for path in PACKAGE.rglob("*.py"):
+        folder = path.relative_to(PACKAGE).parts[0]
+        if folder in LAYER:
+            wrong += [f"{path.relative_to(PACKAGE)}: {w}" for w in private_reaches(path, folder)]
+    assert not wrong, "\n".join(sorted(wrong))
+    # every name a room takes from another's package is public or declared for rooms
+    for path in PACKAGE.rglob("*.py"):
+        folder = path.relative_to(PACKAGE).parts[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.module and folder in LAYER):
+                continue
+            parts = node.module.split(".")
+            if parts[0] != "lsgd_jax" or len(parts) != 2 or parts[1] in (folder, "_core"):
+                continue
+            room = importlib.import_module(node.module)
+            allowed = set(room.__all__) | set(getattr(room, "_FOR_OTHER_ROOMS", ()))
+            for a in node.names:
+                where = f"{path.relative_to(PACKAGE)} takes {node.module}.{a.name}"
+                assert a.name in allowed, where
+
+
+def test_the_private_reach_check_finds_one(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "from lsgd_jax.mesh._mesh import replicate\nfrom lsgd_jax.averaging import _outer\n"
+        "import lsgd_jax.comm._codec\nfrom lsgd_jax.mesh import replicate\n"
+        "from lsgd_jax._core import _fsdp\nfrom lsgd_jax.step._phase import x\n"
+    )
+    assert private_reaches(probe, "step") == [
+        "from lsgd_jax.mesh._mesh import replicate",
+        "from lsgd_jax.averaging import _outer",
+        "import lsgd_jax.comm._codec",
+    ]
 
 
 def test_the_layers_check_finds_a_circle():

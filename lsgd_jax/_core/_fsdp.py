@@ -28,7 +28,7 @@ def check_axes(mesh: Mesh, data: tuple[str, ...], fsdp: Any, where: str) -> tupl
 
     Example:
       >>> import lsgd_jax
-      >>> from lsgd_jax.mesh._fsdp import check_axes
+      >>> from lsgd_jax._core._fsdp import check_axes
       >>> check_axes(lsgd_jax.make_mesh(2, 4), ("node",), "local", "replicate")
       ('local',)
     """
@@ -55,7 +55,7 @@ def leaf_spec(shape: Sequence[int], mesh: Mesh, axes: tuple[str, ...]) -> P:
 
     Example:
       >>> import lsgd_jax
-      >>> from lsgd_jax.mesh._fsdp import leaf_spec
+      >>> from lsgd_jax._core._fsdp import leaf_spec
       >>> mesh = lsgd_jax.make_mesh(2, 4)
       >>> leaf_spec((12, 16), mesh, ("local",)), leaf_spec((3,), mesh, ("local",))
       (P(None, 'local'), P(None,))
