@@ -27,9 +27,10 @@ from lsgd_jax.averaging._config import (
     _check_options,
     _normalized,
     _options,
+    given_schedule,
     logger,
 )
-from lsgd_jax.schedules._schedule import AdaptiveSchedule, HierarchicalSchedule, PeriodicSchedule
+from lsgd_jax.schedules import AdaptiveSchedule, HierarchicalSchedule, PeriodicSchedule, Schedule
 
 _PERIOD_ONE = (
     "When period is 1, no need to use model averaging because the communication cost of "
@@ -193,7 +194,8 @@ class PeriodicModelAverager(_Averager):
         1000, 16, 4)``): the average at step ``s`` happens when ``s == warmup_steps`` or
         ``s - last_average >= period(s)`` (AdaComm-style: Wang & Joshi, "Adaptive
         Communication Strategies to Achieve the Best Error-Runtime Trade-off in Local-Update
-        SGD", SysML 2019). For a constant schedule this is the same rule.
+        SGD", SysML 2019). For a constant schedule this is the same rule. Or a
+        ``lsgd_jax.schedules.Schedule`` (your own rule; it carries the warm-up).
       warmup_steps: steps before the first average (>= 0).
       process_group: the axes to average over; None: every mapped axis bound where it runs.
       fragments: split the params into this many equal slices of their flattened values
@@ -221,7 +223,7 @@ class PeriodicModelAverager(_Averager):
       <https://arxiv.org/abs/1808.07217>`_, ICLR 2020.
     """
 
-    period: int | Callable[[jax.Array], Any]
+    period: int | Callable[[jax.Array], Any] | Schedule
     warmup_steps: int = 0
     process_group: GroupSpec = None
     fragments: int = dataclasses.field(default=1, kw_only=True)
@@ -235,21 +237,25 @@ class PeriodicModelAverager(_Averager):
     offload_state: bool | None = _options()["offload_state"]
 
     def __post_init__(self) -> None:
+        given = given_schedule(self, self.period) if isinstance(self.period, Schedule) else None
         _check_options(self)
         warmup = _validate.nonnegative_int(self.warmup_steps, "warmup_steps")
         object.__setattr__(self, "warmup_steps", warmup)
         k = _validate.positive_int(self.fragments, "fragments")
         object.__setattr__(self, "fragments", k)
-        if callable(self.period):
+        schedule: Any
+        if given is not None:
+            schedule = given
+        elif callable(self.period):
             if k > 1 or self.delay:
                 raise ValueError(
                     f"fragments={k} and delay={self.delay} need an int period (a callable "
                     f"period has no fixed spacing), got period={self.period!r}; e.g. "
                     f"period={4 * k}."
                 )
-            schedule: Any = AdaptiveSchedule(self.period, warmup)
+            schedule = AdaptiveSchedule(self.period, warmup)
         else:
-            schedule = PeriodicSchedule(self.period, warmup, k, self.delay)
+            schedule = PeriodicSchedule(cast(int, self.period), warmup, k, self.delay)
             object.__setattr__(self, "period", schedule.period)
             if schedule.period == 1:
                 warnings.warn(_PERIOD_ONE, stacklevel=3)
@@ -265,8 +271,9 @@ class PeriodicModelAverager(_Averager):
             )
 
     @property
-    def sync_schedule(self) -> PeriodicSchedule | AdaptiveSchedule:
-        """The schedule (a PeriodicSchedule, or an AdaptiveSchedule for a callable period).
+    def sync_schedule(self) -> Schedule:
+        """The schedule (a PeriodicSchedule for an int period, an AdaptiveSchedule for a
+        callable, or the schedule given as ``period``).
 
         Example:
           >>> import lsgd_jax
@@ -299,9 +306,7 @@ class PeriodicModelAverager(_Averager):
 
     def _first_global_step(self, fragment: int) -> int:
         """The step of the first average of fragment ``fragment`` (0-based)."""
-        if callable(self.period):
-            return self.warmup_steps
-        return self.warmup_steps + fragment * (self.period // self.fragments)
+        return self.sync_schedule.first_global_step(fragment)
 
     def _branch_groups(self) -> list[tuple[Group, Any, bool]]:
         what = "PeriodicModelAverager"
@@ -460,11 +465,8 @@ class HierarchicalModelAverager(_Averager):
         return self.sync_schedule.level(step)
 
     def _first_global_step(self, fragment: int) -> int:
-        """The step of the first global average (the first multiple of the last period
-        from the warm-up on); ``fragment`` is 0."""
-        del fragment
-        period = self.periods[-1]
-        return -(-self.warmup_steps // period) * period
+        """The step of the first global average (``fragment`` is 0)."""
+        return self.sync_schedule.first_global_step(fragment)
 
     def _branch_groups(self) -> list[tuple[Group, Any, bool]]:
         what = "HierarchicalModelAverager"

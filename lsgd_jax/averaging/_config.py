@@ -17,10 +17,10 @@ from lsgd_jax._core import _validate
 from lsgd_jax._core._collectives import Group, GroupSpec
 from lsgd_jax.averaging import _outer
 from lsgd_jax.averaging._diloco import DilocoOuter
-from lsgd_jax.comm import _strategies
+from lsgd_jax.schedules import AdaptiveSchedule, HierarchicalSchedule, PeriodicSchedule, Schedule
 
 # an averager's nonfinite=: PyTorch's behaviour, or a comm.finite_only policy
-NONFINITE_POLICIES = ("propagate", *_strategies.FINITE_ONLY_POLICIES)
+NONFINITE_POLICIES = ("propagate", *comm.NONFINITE_POLICIES)
 
 logger = logging.getLogger("lsgd_jax")
 
@@ -316,3 +316,39 @@ def _options() -> dict[str, Any]:
         "delay": dataclasses.field(default=0, kw_only=True),
         "offload_state": dataclasses.field(default=None, kw_only=True),
     }
+
+
+def given_schedule(averager: Any, schedule: Schedule) -> Schedule | None:
+    """A schedule passed as ``period``: its warm-up, fragments and delay become the
+    averager's (which must be left at their defaults or agree). A PeriodicSchedule or an
+    AdaptiveSchedule becomes its int or callable period (None: the averager then builds
+    the same schedule); any other schedule is returned to be used as it is."""
+    if isinstance(schedule, HierarchicalSchedule):
+        raise TypeError(
+            f"PeriodicModelAverager(period={schedule!r}): a HierarchicalSchedule has one "
+            "group per level; use HierarchicalModelAverager (or lsgd_jax.averaging."
+            "from_parts with one group per period)."
+        )
+    own = {
+        "warmup_steps": schedule.warmup_steps,
+        "fragments": getattr(schedule, "fragments", schedule.num_levels),
+        "delay": schedule.delay,
+    }
+    for name, value in own.items():
+        given = getattr(averager, name)
+        if given not in (value, {"fragments": 1}.get(name, 0)):
+            raise ValueError(
+                f"PeriodicModelAverager: period={schedule!r} has {name}={value}, but "
+                f"{name}={given} was given too: set it in the schedule alone."
+            )
+        object.__setattr__(averager, name, value)
+    if isinstance(schedule, (PeriodicSchedule, AdaptiveSchedule)):
+        object.__setattr__(averager, "period", schedule.period)
+        return None
+    if schedule.num_levels != 1:
+        raise ValueError(
+            f"PeriodicModelAverager(period={schedule!r}): the schedule has "
+            f"{schedule.num_levels} levels, but this averager has one group; give the "
+            "schedule num_levels = 1."
+        )
+    return schedule

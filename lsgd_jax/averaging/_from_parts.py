@@ -16,7 +16,7 @@ from typing import Any
 from lsgd_jax._core._collectives import GroupSpec
 from lsgd_jax.averaging._averaging import HierarchicalModelAverager, PeriodicModelAverager
 from lsgd_jax.averaging._outer import Assign, OuterStep, Parts, SendDelta, SendParams
-from lsgd_jax.schedules._schedule import AdaptiveSchedule, HierarchicalSchedule, PeriodicSchedule
+from lsgd_jax.schedules import HierarchicalSchedule, Schedule
 
 
 def _options(parts: Parts) -> dict[str, Any]:
@@ -47,8 +47,9 @@ def from_parts(
 ) -> PeriodicModelAverager | HierarchicalModelAverager:
     """The averager whose ``parts`` these are (see ``averager.parts``).
 
-    A ``PeriodicSchedule`` or ``AdaptiveSchedule`` gives a ``PeriodicModelAverager``
-    over ``process_group``; a ``HierarchicalSchedule`` a ``HierarchicalModelAverager``
+    Any one-level schedule (``PeriodicSchedule``, ``AdaptiveSchedule``, your own
+    ``Schedule``) gives a ``PeriodicModelAverager`` over ``process_group``; a
+    ``HierarchicalSchedule`` a ``HierarchicalModelAverager``
     with one group per period (``groups``, smallest first, the last one global).
 
     Args:
@@ -97,21 +98,11 @@ def from_parts(
             f"from_parts: {type(when).__name__} has one level; give its group as "
             f"process_group=, not groups={groups!r}."
         )
-    if isinstance(when, PeriodicSchedule):
+    if isinstance(when, Schedule):  # its warm-up, fragments and delay come with it
         return PeriodicModelAverager(
-            when.period,
-            when.warmup_steps,
-            process_group,
-            fragments=when.fragments,
-            delay=when.delay,
-            offload_state=offload_state,
-            **options,
-        )
-    if isinstance(when, AdaptiveSchedule):
-        return PeriodicModelAverager(
-            when.period, when.warmup_steps, process_group, offload_state=offload_state, **options
+            when, process_group=process_group, offload_state=offload_state, **options
         )
     raise TypeError(
-        f"Parts.when must be a schedule from lsgd_jax.schedules, got {when!r}; e.g. "
+        f"Parts.when must be a lsgd_jax.schedules.Schedule, got {when!r}; e.g. "
         "PeriodicSchedule(32, warmup_steps=100)."
     )

@@ -42,27 +42,49 @@ def _check_delay(delay: Any, limit: int, what: str) -> None:
         )
 
 
-class _Schedule(_CounterLimit):
-    """What every schedule offers; subclasses define ``level``, ``num_levels``, ``cycle``.
+class Schedule(_CounterLimit):
+    """When an averager averages: the base of every schedule, and the door for your own.
 
-    (A mixin of concrete helpers over the abstract rule: nothing here is overridden; the
-    step counter's int32 limit is ``_counter._CounterLimit``'s.)
+    A schedule is a frozen dataclass that says, for each call of the averager (its step
+    count ``s``, from 0), which level averages: 0 for none, 1 for the averager's group.
+    Pass one as ``PeriodicModelAverager(period=schedule)``. A subclass defines
+    :meth:`level` (jit-able: ``step`` is an int32 array on the device and a Python int in
+    host replays), and may set ``warmup_steps``, ``tracks_last_sync`` (True: ``level``
+    reads the step of the last average, which the averager's state then keeps) and
+    ``cycle`` (the period after which the levels repeat, if any: the int32 step counter
+    can then wrap forever). The rest (phases, replays, the first global average, the
+    counter's limit) follows from those.
+
+    Example (a period that halves every 400 steps, from 32 down to 4):
+      >>> import dataclasses, jax.numpy as jnp, lsgd_jax
+      >>> @dataclasses.dataclass(frozen=True)
+      ... class Shrinking(lsgd_jax.schedules.Schedule):
+      ...     tracks_last_sync = True
+      ...     def level(self, step, last_sync=None):
+      ...         period = jnp.maximum(32 // 2 ** (step // 400), 4)
+      ...         return ((step == 0) | (step - last_sync >= period)).astype(jnp.int32)
+      >>> avg = lsgd_jax.PeriodicModelAverager(Shrinking())
+      >>> int(avg.schedule(1200).sum())  # 13 + 25 + 50 averages, and the one at 0
+      88
     """
 
-    warmup_steps: int
+    warmup_steps: int = 0
     delay: int = 0
     tracks_last_sync = False
 
     @property
     def num_levels(self) -> int:
-        raise NotImplementedError
+        """How many levels (groups, or fragments) average: 1 unless a subclass says."""
+        return 1
 
     @property
     def cycle(self) -> int | None:
-        raise NotImplementedError
+        """The period of the levels (None: they never repeat, the counter cannot wrap)."""
+        return None
 
     def level(self, step: Any, last_sync: Any = None) -> Any:
-        raise NotImplementedError
+        """The level of the call at ``step`` (0: no average)."""
+        raise NotImplementedError(f"{type(self).__name__} must define level(step, last_sync)")
 
     def is_global(self, level: int) -> bool:
         """Whether ``level`` is the widest group's (every fragment of a periodic one).
@@ -72,7 +94,21 @@ class _Schedule(_CounterLimit):
           >>> [HierarchicalSchedule((2, 8)).is_global(k) for k in range(3)]
           [False, False, True]
         """
-        raise NotImplementedError
+        return level > 0
+
+    def first_global_step(self, fragment: int = 0) -> int:
+        """The step of the first global average of ``fragment`` (0-based; 0 without
+        fragments): until then the replicas' anchors may differ. By default the first
+        step at or after the warm-up whose level is global, found by a host replay of
+        at most ``cycle`` (or 100,000) steps."""
+        del fragment
+        last = 0
+        for s in range(self.warmup_steps, self.warmup_steps + (self.cycle or 100_000)):
+            level = int(self.level(s, last))
+            if level and self.is_global(level):
+                return s
+            last = s if level else last
+        return self.warmup_steps
 
     @property
     def num_phases(self) -> int:
@@ -132,7 +168,7 @@ class _Schedule(_CounterLimit):
 
 
 @dataclasses.dataclass(frozen=True)
-class PeriodicSchedule(_Schedule):
+class PeriodicSchedule(Schedule):
     """Averages at ``s >= warmup_steps`` when ``(s - warmup_steps) % period == 0``.
 
     With ``fragments=K`` each of K fragments averages every ``period`` steps, the k-th
@@ -180,6 +216,9 @@ class PeriodicSchedule(_Schedule):
     def is_global(self, level: int) -> bool:
         return level > 0
 
+    def first_global_step(self, fragment: int = 0) -> int:
+        return self.warmup_steps + fragment * (self.period // self.fragments)
+
     def level(self, step: Any, last_sync: Any = None) -> Any:
         """0 for no average, else the fragment number (1-based); a Python int for a
         Python ``step``, an int32 array for an array."""
@@ -194,7 +233,7 @@ class PeriodicSchedule(_Schedule):
 
 
 @dataclasses.dataclass(frozen=True)
-class HierarchicalSchedule(_Schedule):
+class HierarchicalSchedule(Schedule):
     """At ``s >= warmup_steps``, the LARGEST period dividing ``s`` picks the level.
 
     ``s``, not ``s - warmup_steps``, as PyTorch's ``HierarchicalModelAverager``.
@@ -237,6 +276,10 @@ class HierarchicalSchedule(_Schedule):
     def is_global(self, level: int) -> bool:
         return level == self.num_levels
 
+    def first_global_step(self, fragment: int = 0) -> int:
+        del fragment  # the first multiple of the last period from the warm-up on
+        return -(-self.warmup_steps // self.periods[-1]) * self.periods[-1]
+
     def level(self, step: Any, last_sync: Any = None) -> Any:
         """0 for no average, else the 1-based level of the largest dividing period."""
         del last_sync
@@ -252,7 +295,7 @@ class HierarchicalSchedule(_Schedule):
 
 
 @dataclasses.dataclass(frozen=True)
-class AdaptiveSchedule(_Schedule):
+class AdaptiveSchedule(Schedule):
     """A period that changes with the step: average at ``s >= warmup_steps`` when ``s ==
     warmup_steps`` or ``s - last_average >= period(s)``.
 
@@ -318,6 +361,9 @@ class AdaptiveSchedule(_Schedule):
     def is_global(self, level: int) -> bool:
         return level > 0
 
+    def first_global_step(self, fragment: int = 0) -> int:
+        return self.warmup_steps
+
     def level(self, step: Any, last_sync: Any = None) -> Any:
         """1 when ``step`` averages given the step of the last average, else 0."""
         if last_sync is None:
@@ -340,4 +386,4 @@ class AdaptiveSchedule(_Schedule):
         return int(hit)
 
 
-Schedule = PeriodicSchedule | HierarchicalSchedule | AdaptiveSchedule
+_Schedule = Schedule  # its name before it was public

@@ -63,5 +63,5 @@ def test_wrong_parts_are_refused_with_the_fix():
         from_parts(H(HIER).parts)
     with pytest.raises(TypeError, match="give its group as process_group="):
         from_parts(parts, groups=["local"])
-    with pytest.raises(TypeError, match="a schedule from lsgd_jax.schedules"):
+    with pytest.raises(TypeError, match="a lsgd_jax.schedules.Schedule"):
         from_parts(parts._replace(when=4))
