@@ -269,20 +269,31 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
 
     models = sorted({r["model"] for r in rows})
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.2), squeeze=False)
+    top = 0.08  # a setup further behind is drawn on the top edge, its gap in its label
     for ax, model in zip(axes[0], models):
-        for r in (r for r in rows if r["model"] == model and r["setup"] != "ddp"):
-            err = [[r["mean"] - r["lo"]], [r["hi"] - r["mean"]]]
+        shown = [r for r in rows if r["model"] == model and r["setup"] != "ddp"]
+        for i, r in enumerate(sorted(shown, key=lambda r: r["ratio"])):
             face = "C0" if len(r["seeds"]) >= 3 else "none"
-            ax.errorbar(r["ratio"], r["mean"], yerr=err, fmt="o", color="C0", mfc=face, capsize=3)
-            ax.annotate(r["label"], (r["ratio"], r["mean"]), textcoords="offset points",
-                        xytext=(5, 4), fontsize=7)  # fmt: skip
+            label = f"{r['label']} ({r['mean']:+.3f})"
+            if r["mean"] > top:
+                ax.plot(r["ratio"], top, "^", color="C1", mfc="none", clip_on=False)
+            else:
+                err = [[r["mean"] - r["lo"]], [r["hi"] - r["mean"]]]
+                ax.errorbar(r["ratio"], r["mean"], yerr=err, fmt="o", color="C0", mfc=face,
+                            capsize=3)  # fmt: skip
+            y = min(r["mean"], top)
+            ax.annotate(label, (r["ratio"], y), textcoords="offset points",
+                        xytext=(5, 4 if i % 2 and y < top else -10), fontsize=7)  # fmt: skip
         for tol, style in ((0.01, ":"), (0.02, "--"), (0.05, "-.")):
             ax.axhline(tol, color="grey", ls=style, lw=0.8, label=f"+{tol}")
         ax.axhline(0, color="black", lw=0.8)
         ax.set_xscale("log")
+        ax.set_xticks([5, 10, 20, 50, 100, 200], ["5x", "10x", "20x", "50x", "100x", "200x"])
+        ax.set_xlim(8, 160)
+        ax.set_ylim(min(-0.02, *(r["lo"] - 0.005 for r in shown)), top)
         ax.set_xlabel("DDP's node-link bytes / the setup's (whole run)")
         ax.set_ylabel("final val loss - tuned DDP's (nats per byte)")
-        ax.set_title(f"{model}: each setup at its best inner rate")
+        ax.set_title(f"{model}: each setup at its best inner rate (filled: 3 seeds)")
         ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
