@@ -170,6 +170,8 @@ TAGS: dict[str, str] = {
     "q4ddp": "4-bit two-level DDP throughout",
     "h16": "recipe, H=16",
     "s200": "recipe, switch at 200",
+    "s500": "recipe, switch at 500",
+    "s200h16": "recipe, switch at 200, H=16",
     "om09": "recipe, outer momentum 0.9",
     "d8": "recipe, H=8",
     "d4": "recipe, H=4",

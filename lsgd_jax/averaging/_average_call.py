@@ -228,7 +228,10 @@ def alongside(averager: Any, tree: Any, state: ModelAveragerState, strategy: Any
     strategy = averager.communicator.alongside() if strategy is None else strategy
 
     def mean(t, group):
-        return comm.apply(strategy, t, group, None, step=state.step).value
+        # a strategy that keeps state gets a fresh one: values alongside carry no error
+        # feedback between averages (the contract: every mean is given a state)
+        fresh = comm.initial_state(strategy, t) if strategy.keeps_state else None
+        return comm.apply(strategy, t, group, fresh, step=state.step).value
 
     per_level = [lambda t: t] + [
         functools.partial(mean, group=group) for group, _, _ in averager._branch_groups()

@@ -237,6 +237,11 @@ class PeriodicModelAverager(_Averager):
     offload_state: bool | None = _options()["offload_state"]
 
     def __post_init__(self) -> None:
+        if isinstance(self.period, type) and issubclass(self.period, Schedule):
+            raise TypeError(
+                f"period={self.period.__name__} is a schedule class: pass an instance, "
+                f"period={self.period.__name__}()."
+            )
         given = given_schedule(self, self.period) if isinstance(self.period, Schedule) else None
         _check_options(self)
         warmup = _validate.nonnegative_int(self.warmup_steps, "warmup_steps")

@@ -322,33 +322,81 @@ def given_schedule(averager: Any, schedule: Schedule) -> Schedule | None:
     """A schedule passed as ``period``: its warm-up, fragments and delay become the
     averager's (which must be left at their defaults or agree). A PeriodicSchedule or an
     AdaptiveSchedule becomes its int or callable period (None: the averager then builds
-    the same schedule); any other schedule is returned to be used as it is."""
+    the same schedule); any other schedule is checked and returned to be used as it is."""
+    name = f"PeriodicModelAverager(period={schedule!r})"
     if isinstance(schedule, HierarchicalSchedule):
         raise TypeError(
-            f"PeriodicModelAverager(period={schedule!r}): a HierarchicalSchedule has one "
-            "group per level; use HierarchicalModelAverager (or lsgd_jax.averaging."
-            "from_parts with one group per period)."
+            f"{name}: a HierarchicalSchedule has one group per level; use "
+            "HierarchicalModelAverager (or lsgd_jax.averaging.from_parts with one group "
+            "per period)."
         )
-    own = {
-        "warmup_steps": schedule.warmup_steps,
-        "fragments": getattr(schedule, "fragments", schedule.num_levels),
-        "delay": schedule.delay,
-    }
-    for name, value in own.items():
-        given = getattr(averager, name)
-        if given not in (value, {"fragments": 1}.get(name, 0)):
+    frozen = dataclasses.is_dataclass(schedule) and type(schedule).__dataclass_params__.frozen
+    if not frozen:
+        raise TypeError(
+            f"{name}: a schedule is a frozen dataclass (@dataclasses.dataclass(frozen=True) "
+            "on its class), so that averagers built from equal schedules are equal and "
+            "hash alike."
+        )
+    if isinstance(schedule, AdaptiveSchedule):  # delay and fragments: the callable's rule
+        own = {"warmup_steps": schedule.warmup_steps}
+    else:
+        fields = {f.name for f in dataclasses.fields(schedule)}  # type: ignore[arg-type]
+        own = {
+            n: getattr(schedule, n) for n in ("warmup_steps", "fragments", "delay") if n in fields
+        }
+    for field, value in own.items():
+        given = getattr(averager, field)
+        if given not in (value, {"fragments": 1}.get(field, 0)):
             raise ValueError(
-                f"PeriodicModelAverager: period={schedule!r} has {name}={value}, but "
-                f"{name}={given} was given too: set it in the schedule alone."
+                f"PeriodicModelAverager: period={schedule!r} has {field}={value}, but "
+                f"{field}={given} was given too: set it in the schedule alone."
             )
-        object.__setattr__(averager, name, value)
+        object.__setattr__(averager, field, value)
     if isinstance(schedule, (PeriodicSchedule, AdaptiveSchedule)):
         object.__setattr__(averager, "period", schedule.period)
         return None
+    for field in ("fragments", "delay"):
+        if field not in own and getattr(averager, field) != {"fragments": 1}.get(field, 0):
+            raise ValueError(
+                f"{name}: {field}={getattr(averager, field)} belongs to the schedule; give "
+                f"{type(schedule).__name__} a field `{field}: int` instead."
+            )
+    object.__setattr__(averager, "warmup_steps", schedule.warmup_steps)
+    _check_own_schedule(name, schedule)
+    return schedule
+
+
+def _check_own_schedule(name: str, schedule: Schedule) -> None:
+    """A user's schedule: one level, a rule that reads only what it declares, and at most
+    one delayed average in flight (checked by a host replay of its first steps)."""
     if schedule.num_levels != 1:
         raise ValueError(
-            f"PeriodicModelAverager(period={schedule!r}): the schedule has "
-            f"{schedule.num_levels} levels, but this averager has one group; give the "
-            "schedule num_levels = 1."
+            f"{name}: the schedule has {schedule.num_levels} levels, but this averager has "
+            "one group; give the schedule num_levels = 1."
         )
-    return schedule
+    if not schedule.tracks_last_sync:
+        try:
+            schedule.host_level(schedule.warmup_steps)
+        except TypeError as e:
+            raise TypeError(
+                f"{name}: its level(step, last_sync) failed with last_sync=None ({e}). A rule "
+                "that reads the step of the last average says so: set tracks_last_sync = "
+                "True on the class (the averager's state then keeps that step)."
+            ) from e
+    if schedule.delay:
+        if schedule.tracks_last_sync:
+            raise ValueError(
+                f"{name}: delay={schedule.delay} needs a rule of the step alone (a delayed "
+                "average's landing is found from the step it started at); drop the delay or "
+                "tracks_last_sync."
+            )
+        span = min(schedule.cycle or 1024, 4096) + schedule.delay
+        started = np.flatnonzero(schedule.replay(schedule.warmup_steps + span))
+        close = np.flatnonzero(np.diff(started) <= schedule.delay)
+        if close.size:
+            a, b = started[close[0]], started[close[0] + 1]
+            raise ValueError(
+                f"{name}: averages start at steps {a} and {b}, closer than delay="
+                f"{schedule.delay} + 1: one delayed average is in flight at a time; space the "
+                "averages further apart or lower the delay."
+            )

@@ -115,58 +115,39 @@ def diloco_outer(
 ) -> optax.GradientTransformationExtraArgs:
     """DiLoCo's outer optimizer, Nesterov momentum cooling down into a plain average.
 
-    Pass it as an averager's ``outer_optimizer``. A run's ``num_outer_steps`` global
-    averages give the outer optimizer ``U = num_outer_steps - 1`` updates with
-    ``outer_skip_first`` (the averager's default: the first average only sets the
-    anchor), ``U = num_outer_steps`` without. The last ``C = ceil(cooldown * U)`` of
-    them (at least 1) are cooled: update ``k = 0 .. U - 1`` runs at ::
+    Pass it as an averager's ``outer_optimizer``. Of the run's ``U`` outer updates
+    (``num_outer_steps - 1`` with ``outer_skip_first``, else ``num_outer_steps``), the
+    last ``C = ceil(cooldown * U)`` (at least 1) cool: update ``k = 0 .. U - 1`` runs at ::
 
         r = max(0, k - (U - C) + 1) / C          # 1/C, 2/C, ..., 1 over the last C
         lr_k = learning_rate + (1 - learning_rate) * r,    momentum_k = momentum * (1 - r)
 
-    so updates before the cool-down are ``optax.sgd(learning_rate, momentum,
-    nesterov=True)`` and the last, ``k = U - 1``, runs at learning rate 1 and momentum
-    0 exactly: it makes the params the replicas' mean as it is. Updates past ``U`` stay
-    plain averages. The state counts the updates (``optax.inject_hyperparams``: the
-    values in use are in ``state.hyperparams``) and goes through checkpoints with the
-    averager's. An average the averager skips (``nonfinite="skip"``) is no update: each
-    one leaves the run's last update one step short of the plain average.
+    so the updates before are ``optax.sgd(learning_rate, momentum, nesterov=True)`` and
+    the last is the replicas' plain mean (learning rate 1, momentum 0). More, e.g. on
+    skipped averages: docs/options_in_depth.md.
 
     Args:
       num_outer_steps: the run's global averages, counted as :func:`num_outer_steps`
         counts them (the one at the switch included).
       learning_rate: the outer learning rate before the cool-down (DiLoCo's 0.7).
       momentum: the Nesterov momentum before the cool-down (DiLoCo's 0.9), in [0, 1).
-      cooldown: the fraction of the updates that cool, in [0, 1] (0: a constant
-        ``optax.sgd``, the plain optax transformation).
-      outer_skip_first: the averager's ``outer_skip_first``; pass the same value (the
-        averager refuses another one, ValueError, unless ``cooldown=0``).
-
-    Numbers may be Python, NumPy or (concrete) JAX scalars.
+      cooldown: the fraction of the updates that cool, in [0, 1] (0: plain ``optax.sgd``).
+      outer_skip_first: the averager's ``outer_skip_first``; pass the same value.
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs``: a
-      :class:`~lsgd_jax.averaging.DilocoOuter`, which carries ``outer_skip_first``
-      (with ``cooldown=0``, ``optax.sgd``'s own).
+      A :class:`~lsgd_jax.averaging.DilocoOuter` (with ``cooldown=0``, ``optax.sgd``'s own).
 
     Raises:
-      TypeError: a value that is not a number of its kind (a bool, an array of another
-        shape, a float for ``num_outer_steps``), named with the fix.
+      TypeError: not a number of its kind (a bool, a float for ``num_outer_steps``).
       ValueError: a value out of its range or not finite, named with the range.
 
     Example:
-      >>> import optax, lsgd_jax
-      >>> from lsgd_jax.averaging import diloco_outer, num_outer_steps
-      >>> outer = diloco_outer(num_outer_steps(1500, 150, 24), cooldown=0.3)
-      >>> averager = lsgd_jax.PeriodicModelAverager(24, warmup_steps=150,
-      ...                                           outer_optimizer=outer)
-      >>> tx = optax.chain(lsgd_jax.post_local_sgd(150), optax.adamw(1e-3),
-      ...                  lsgd_jax.model_averaging(averager))
-
       Six averages (20 steps, switch 2, H=3): five updates, the last two cooled.
 
-      >>> import jax.numpy as jnp
+      >>> import jax.numpy as jnp, lsgd_jax
+      >>> from lsgd_jax.averaging import diloco_outer, num_outer_steps
       >>> outer = diloco_outer(num_outer_steps(20, 2, 3), 0.7, 0.9, cooldown=0.3)
+      >>> averager = lsgd_jax.PeriodicModelAverager(3, warmup_steps=2, outer_optimizer=outer)
       >>> state = outer.init(jnp.zeros(1))
       >>> for _ in range(5):
       ...     _, state = outer.update(jnp.ones(1), state)

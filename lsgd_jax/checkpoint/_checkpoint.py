@@ -155,43 +155,11 @@ def restore_checkpoint(
 ) -> Any:
     """Restores a checkpoint saved by :func:`save_checkpoint` into the shape of ``target``.
 
-    ``target`` is a tree of the same structure as the saved one, e.g. the freshly
-    initialized state ``{"params": replicate(params, mesh), "opt_state":
-    replicate(tx.init(params), mesh)}``: it provides the static metadata that the arrays
-    do not carry (such as the axis names of ``PostLocalSGDState`` and the averager of
-    ``ModelAveragerState``) and, for each ``jax.Array`` or ``jax.ShapeDtypeStruct`` leaf,
-    the sharding to restore onto (each process reads only its own shards). Host leaves
-    (numpy, Python scalars) come back as numpy arrays. Paths, shapes and dtypes must
-    match the saved ones.
-
-    When the static configuration differs from the saved one (another averager period,
-    another outer optimizer learning rate, renamed leaves) the target's is used, with one
-    warning that has a line per differing field, e.g. ``['opt_state'][2].averager.period:
-    2 -> 3``; ``strict=True`` raises instead. Functions (e.g. an optax outer optimizer)
-    compare by name and the simple values they close over, never by memory address.
-
-    A step whose files were damaged after the save (truncated, missing, JSON that does
-    not parse) is skipped with a warning naming the file, and the next older step is
-    restored; so is a step whose arrays then fail to read. A damaged ``step`` asked for
-    explicitly raises :class:`UnreadableCheckpointError`. Nothing is ever deleted.
-
-    ``resize=True`` restores a checkpoint of N replicas onto a target of M (another mesh,
-    e.g. more or fewer hosts). A leaf whose leading axis has N entries in the checkpoint
-    and M in the target, the rest of its shape alike, is per replica, and every new
-    replica gets the same value: a floating leaf (params, momentum and Adam moments, the
-    anchor and outer optimizer state, an error-feedback residual, a delayed average's
-    ``inflight_start`` and ``inflight_mean``, batch-norm statistics) the mean over the
-    saved replicas, exactly the saved value wherever they all hold the same one; an
-    integer leaf (the step counters, Adam's count) the saved value, which every saved
-    replica must hold (else :class:`ReplicasOutOfSyncError`); a ``skipped`` record
-    whether any saved replica skipped. Other leaves restore as saved; with M == N
-    everything does (bitwise the plain restore). docs/checkpoints.md ("Restoring onto
-    another number of replicas") says why each rule is the right one.
-
-    With several processes every process must call this. Afterwards
-    :func:`assert_replicas_in_sync` checks that every replica and process restored the
-    same step counters (unless ``check_in_sync=False``), so that a process that restored
-    another step fails here instead of hanging in the first collective.
+    ``target`` is built exactly as the saved tree, e.g. ``{"params": replicate(params,
+    mesh), "opt_state": replicate(tx.init(params), mesh)}``: it supplies what the arrays
+    do not carry (axis names, the averager) and the shardings to read onto. A changed
+    static setting warns per field; a damaged step is skipped, with a warning, for the
+    next older one. Every process must call it. More: docs/checkpoints.md.
 
     Args:
       directory: the folder given to :func:`save_checkpoint`.
@@ -201,7 +169,8 @@ def restore_checkpoint(
         :func:`latest_checkpoint_step`).
       check_in_sync: run :func:`assert_replicas_in_sync` on the result.
       strict: raise instead of warning when names or static metadata differ.
-      resize: allow another number of replicas than the checkpoint's (see above).
+      resize: allow another number of replicas than the checkpoint's: a per-replica
+        floating leaf gets the saved replicas' mean, an integer one the saved value.
 
     Returns:
       The restored pytree, with ``target``'s structure and shardings.
@@ -214,8 +183,7 @@ def restore_checkpoint(
         (with ``resize=True``: shapes beyond the leading replica axis, or two replica
         counts in one target); or, with ``strict=True``, its names or static metadata.
       ReplicasOutOfSyncError: the restored step counters differ between replicas or
-        processes; with ``resize=True``, an integer leaf differs between the saved
-        replicas.
+        processes (with ``resize=True``: an integer leaf between the saved replicas).
 
     Example:
       >>> import tempfile, jax.numpy as jnp, optax, lsgd_jax
@@ -223,32 +191,12 @@ def restore_checkpoint(
       >>> tx = optax.chain(lsgd_jax.post_local_sgd(4), optax.sgd(0.1))
       >>> fresh = lambda: {"params": lsgd_jax.replicate(jnp.zeros(3), mesh),
       ...                  "opt_state": lsgd_jax.replicate(tx.init(jnp.zeros(3)), mesh)}
-      >>> state = fresh()
-      >>> state["params"] = state["params"] + 1.0
+      >>> state = dict(fresh(), params=fresh()["params"] + 1.0)
       >>> with tempfile.TemporaryDirectory() as ckpt_dir:
       ...     _ = lsgd_jax.save_checkpoint(ckpt_dir, 3, state)
       ...     restored = lsgd_jax.restore_checkpoint(ckpt_dir, fresh(), strict=True)
       >>> restored["params"][0], restored["opt_state"][0].start_localSGD_iter
       (Array([1., 1., 1.], dtype=float32), 4)
-
-      Eight replicas saved, restored onto four (``make_mesh(1, 4)``: the first four
-      devices); the params become the saved replicas' mean:
-
-      >>> state = fresh()
-      >>> state["params"] = state["params"] + jnp.arange(8.0)[:, None]  # replica r: r
-      >>> four = lsgd_jax.make_mesh(1, 4)
-      >>> target = {"params": lsgd_jax.replicate(jnp.zeros(3), four),
-      ...           "opt_state": lsgd_jax.replicate(tx.init(jnp.zeros(3)), four)}
-      >>> with tempfile.TemporaryDirectory() as ckpt_dir:
-      ...     _ = lsgd_jax.save_checkpoint(ckpt_dir, 3, state)
-      ...     resized = lsgd_jax.restore_checkpoint(ckpt_dir, target, resize=True)
-      >>> resized["params"]
-      Array([[3.5, 3.5, 3.5],
-             [3.5, 3.5, 3.5],
-             [3.5, 3.5, 3.5],
-             [3.5, 3.5, 3.5]], dtype=float32)
-      >>> int(resized["opt_state"][0].iter[0])  # counters are copied
-      0
     """
     paths, leaves, treedef = _format.flatten(target)
     abstract = [_abstract(p, x) for p, x in zip(paths, leaves)]

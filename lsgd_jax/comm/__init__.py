@@ -19,30 +19,8 @@ them.
   (about a quarter or an eighth of the float32 bytes), with error feedback: what
   rounding dropped is kept per replica and sent with the next mean.
 
-Writing a strategy: subclass :class:`Communication` as a frozen dataclass and implement
-
-- ``mean(tree, group, state=None, *, cast=True, step=None) -> Mean(value, skipped,
-  state)``: called inside ``shard_map``/``pmap`` on this replica's ``tree``. The hook
-  passes the gradients; an averager passes the pair ``(values, extra)`` (the params or
-  their change since the anchor, and the values averaged alongside them, such as the
-  optimizer's moments; ``extra`` may be an empty tuple), in one call so that both travel
-  in the same collectives.
-- ``init(tree)``: None for a stateless strategy. A strategy that keeps per-replica state
-  between means (error feedback) declares it with a ``keeps_state`` property that
-  returns True, and ``init(params)`` returns that state shaped like the params; the
-  hook and the averagers call ``init`` once, keep the state per replica (in
-  ``comm_state``, checkpointed with the rest) and pass it to every ``mean``. An averager
-  passes ``(state, zeros like extra)`` to match its pair and keeps the first half of
-  the state ``mean`` returns; an average that is skipped keeps the old state.
-- optionally ``may_skip``, ``rounds_small_values`` and ``alongside()`` (see the class).
-
-``tests/comm/test_strategy_contract.py`` writes a top-k strategy with error feedback in
-thirty lines, outside the package.
-
-Every strategy keeps each leaf's dtype and varying-axes type (so a mean can sit in one
-branch of a ``lax.cond``), averages floating and complex leaves only, sums narrow
-floats in float32, and gives an empty leaf back as its own mean (a tree of empty leaves
-sends nothing). Strategies check their arguments when built, by the factory or the class.
+Writing a strategy (subclass :class:`Communication`; the contract every strategy keeps):
+docs/internals.md, "Writing a communication strategy".
 
 Example:
   >>> import jax.numpy as jnp, optax, lsgd_jax

@@ -71,7 +71,7 @@ class Communication(abc.ABC):
     @abc.abstractmethod
     def init(self, tree: Any) -> Any:
         """The initial state for values shaped like ``tree``: None unless
-        :attr:`keeps_state`, else a state that ``mean`` takes for a ``tree`` of this
+        ``keeps_state``, else a state that ``mean`` takes for a ``tree`` of this
         structure (e.g. an error-feedback residual of zeros shaped like it)."""
 
     @property

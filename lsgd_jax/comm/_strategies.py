@@ -232,7 +232,7 @@ class Quantized(Communication):
 
     @property
     def keeps_state(self) -> bool:
-        """With error feedback: the residual, per replica."""
+        """True with error feedback, whose residual is kept per replica."""
         return self.error_feedback
 
     def init(self, tree: Any) -> Any:
@@ -358,104 +358,45 @@ def quantized(
 ) -> Quantized:
     """A mean sent as ``bits``-bit integers with one float32 scale per block.
 
-    The floating leaves are flattened into one float32 buffer (with error feedback, plus
-    this replica's residual), cut into one chunk per replica and each chunk into blocks
-    of ``block_size`` values (fewer when a chunk is shorter: a block is never longer than
-    a chunk, so padding stays below one block per chunk); a block ``x`` travels as ``q =
-    round(x / s)``, ``s = max|x| / qmax`` (``qmax`` 127 for 8 bits, 7 for 4 bits), so each
-    value is within ``s / 2``. Like :func:`compressed`, the mean is an ``all_to_all``
-    (each replica receives its chunk from every peer, dequantizes and sums it in
-    float32) and an ``all_gather`` of the chunk means, quantized again; every replica
-    decodes the same bytes, so all end bitwise identical. The error of one mean is at
-    most the average over the replicas of ``s / 2`` of their blocks plus ``s / 2`` of the
-    mean's block.
-
-    Nobody is special: a replica's own chunk is quantized like the ones it sends, so a
-    mean is a function of the multiset of the replicas' inputs (values plus residuals)
-    and does not depend on the device order of the mesh (which replica sums which chunk
-    is its axis position), up to the order of the float32 sums. The one thing position
-    decides is where a chunk mean's stage-2 rounding error is kept: only the replica that
-    summed the chunk knows it (see error feedback below). So with error feedback, the
-    same run on a mesh listing its devices in another order gives the same first mean
-    and means that telescope to the same total, but later means may differ by roundings.
-
-    Wire bytes per value: ``bits / 8 + 4 / block_size`` (1.0625 for int8, 0.5625 for
-    4 bits, with blocks of 64) in each of the two collectives, so about ``2 (g - 1) / g x
-    (bits / 8 + 4 / block_size)`` per value and device for a group of ``g``, against
-    ``2 (g - 1) / g x 4`` for a float32 ring all-reduce: 0.27x (int8) and 0.14x (4-bit).
-    Where the integers would put as many bytes on the link they cross as the float32
-    values or more (a tree of a few values per replica, a group of one replica), the mean
-    is sent in float32 instead: exact, and the residual becomes zero. One level: one
-    float32 all-reduce. ``two_level``: what crosses nodes decides, and the float32 mean is
-    :func:`two_level`'s (only its shards cross nodes), so a quantized two-level mean
-    never puts more bytes across nodes than :func:`two_level` for the same tree (wire
-    bytes, as ``communication_report`` counts them); on a single node (nothing crosses)
-    it is one all-reduce. Decided once per tree, in Python, when the mean is traced.
-
-    Error feedback (Seide et al., 2014; Karimireddy et al., 2019): each replica keeps
-    what its rounding dropped (its stage-1 error on every chunk, and ``g`` times the
-    stage-2 error of the chunk mean it computed, as in the worker and server errors of
-    1-bit Adam's compressed all-reduce) and adds it to its values before the next mean.
-    The means then telescope: over many averages, the total differs from the exact one by
-    one residual, instead of a sum of roundings that grows with the number of averages
-    (and that, with updates smaller than half a step of the grid, loses them entirely).
-    The residual is the strategy's state: an averager keeps it params-shaped in
-    ``ModelAveragerState.comm_state`` (created by ``averager.init(params)``, cut like the
-    params for fragments, checkpointed with the rest); the hook keeps it shaped like the
-    gradients in ``PostLocalSGDState.comm_state`` (created by
-    ``post_local_sgd(...).init(params)``) and sends whichever mean it takes with it.
-
-    ``two_level=True``: over a group that holds ``inner_axis`` and more axes, a float32
-    reduce-scatter inside the node (exact and node-local), the quantized mean across
-    nodes of this device's shard of the node's sum (the only traffic that crosses nodes:
-    ``1 / size(inner_axis)`` of the buffer, as integers), a float32 all-gather inside
-    the node. The residual is then this device's shard's: zero elsewhere (and where in
-    the node it sits does not matter: the node sums it first). A group without
-    ``inner_axis`` (e.g. ``("node",)``: one device of each node) takes the one-level
-    path. An :class:`~lsgd_jax.IndexGroups` group (``pmap``) uses the one-level path
-    with ``axis_index_groups``. An ``inner_axis`` that is not a mesh axis where the mean runs
-    is an error (a misspelling would otherwise quietly send every mean in one level).
-
-    NaN and Inf propagate: a non-finite value anywhere in a block makes its block's scale
-    NaN, so that block of the mean is NaN on every replica (use :func:`finite_only` to
-    leave a diverged replica out instead). The residual stays finite. (A mean sent in
-    float32, see above, propagates them value by value, as :func:`flat` does.)
+    The floating leaves travel as one float32 buffer cut into blocks of ``block_size``
+    values, each block ``x`` as ``round(x / s)`` with ``s = max|x| / qmax`` (``qmax`` 127
+    for 8 bits, 7 for 4), in an ``all_to_all`` and an ``all_gather`` as in
+    :func:`compressed`: about 0.27x (int8) or 0.14x (4-bit) the bytes of a float32
+    all-reduce, and every replica decodes the same mean. With error feedback each replica
+    keeps what its rounding dropped (the strategy's state, ``comm_state``) and sends it
+    with the next mean, so the means telescope. A non-finite value makes its block's mean
+    NaN (:func:`finite_only` leaves such a replica out instead). The algorithm, its bytes,
+    error bounds and the two-level path: docs/options_in_depth.md.
 
     Args:
       bits: 8 (int8) or 4 (two values per byte).
-      block_size: values per scale, a positive int (even for 4 bits), at most 2**24.
-        Smaller blocks follow the values' magnitudes more closely and cost ``4 /
-        block_size`` bytes per value.
+      block_size: values per scale, a positive int (even for 4 bits), at most 2**24;
+        smaller blocks follow the values more closely and cost ``4 / block_size`` bytes
+        per value.
       error_feedback: keep the residual (needs the params at init:
         ``averager.init(params)``, ``post_local_sgd(...).init(params)``).
       two_level: reduce inside the node in float32 first; quantize only across nodes.
-        A mean over the node's axis alone (a hierarchy's node level) is then a plain
-        float32 all-reduce, and leaves the residual alone.
-      inner_axis: the mesh axis of one node's devices (``"local"`` in :func:`~lsgd_jax.make_mesh`).
+        A mean over the node's axis alone is then a plain float32 all-reduce.
+      inner_axis: the mesh axis of one node's devices (``"local"`` in
+        :func:`~lsgd_jax.make_mesh`).
 
     Returns:
       A :class:`Communication`.
+
+    Raises:
+      TypeError: ``block_size`` not an int, a flag not a bool, or ``inner_axis`` not a str.
+      ValueError: ``bits`` not 8 or 4, or ``block_size`` out of range (or odd for 4 bits).
 
     Example:
       >>> import jax.numpy as jnp, lsgd_jax
       >>> avg = lsgd_jax.PeriodicModelAverager(
       ...     8, communication=lsgd_jax.comm.quantized(bits=4, two_level=True))
-      >>> state = avg.init({"w": jnp.ones(3)})
-      >>> state.comm_state
+      >>> avg.init({"w": jnp.ones(3)}).comm_state
       {'w': Array([0., 0., 0.], dtype=float32)}
 
     References:
-      Seide, Fu, Droppo, Li, Yu, "1-Bit Stochastic Gradient Descent and its Application
-      to Data-Parallel Distributed Training of Speech DNNs", Interspeech 2014.
-      Karimireddy, Rebjock, Stich, Jaggi, "Error Feedback Fixes SignSGD and other
-      Gradient Compression Schemes", ICML 2019, https://arxiv.org/abs/1901.09847.
-      Tang, Gan, Awan, Rajbhandari, Li, Lian, Liu, Zhang, He, "1-bit Adam: Communication
-      Efficient Large-Scale Training with Adam's Convergence Speed", ICML 2021,
-      https://arxiv.org/abs/2102.02888.
-      Jaghouar et al., "INTELLECT-1 Technical Report", 2024 (int8 all-reduce of the
-      outer pseudo-gradients), https://arxiv.org/abs/2412.01152.
-      Douillard et al., "Streaming DiLoCo with overlapping communication: Towards a
-      Distributed Free Lunch", 2025 (4-bit outer gradients),
-      https://arxiv.org/abs/2501.18512.
+      Seide et al., "1-Bit Stochastic Gradient Descent ...", Interspeech 2014;
+      Karimireddy et al., "Error Feedback Fixes SignSGD ...", ICML 2019,
+      https://arxiv.org/abs/1901.09847. More in docs/options_in_depth.md.
     """
     return Quantized(bits, block_size, error_feedback, two_level, inner_axis)

@@ -58,7 +58,8 @@ def initialize(
     Turns on ``jax_enable_recoverability`` (a dead peer no longer ends this process),
     makes collectives with a dead participant fail after ``collective_timeout_s``
     instead of hanging (CPU: ``--xla_cpu_collective_timeout_seconds``; GPU: the NCCL
-    flags of JAX's fault-tolerance guide), selects gloo on CPU, and connects.
+    flags of JAX's fault-tolerance guide), selects gloo on CPU, and connects. How to
+    launch, and how the timeouts must relate: docs/failures.md.
 
     Args:
       coordinator_address: ``host:port`` of the coordination service: process 0's, or
@@ -66,26 +67,19 @@ def initialize(
       num_processes: processes in the job (a restarted one counts once).
       process_id: this process's index; a restarted process reuses its old index.
       platform: ``"cpu"`` or ``"gpu"``.
-      num_cpu_devices: CPU devices for this process (CPU only; default JAX's), with
-        the threads they need (``PJRT_NPROC``, as :func:`lsgd_jax.simulate_cpu_devices`
-        sets it, unless set already).
+      num_cpu_devices: CPU devices for this process (CPU only; default JAX's), with the
+        threads they need (``PJRT_NPROC``, as :func:`lsgd_jax.simulate_cpu_devices`).
       local_device_ids: the GPUs this process uses (e.g. ``[process_id]`` for one
         process per GPU on one host); default all it sees.
       heartbeat_timeout_s: seconds without heartbeats after which a process is dead.
       collective_timeout_s: seconds a collective waits for a missing peer (CPU).
-      initialization_timeout_s: seconds to wait for the coordinator (a process started
-        when process 0 is gone fails after this instead of retrying forever).
+      initialization_timeout_s: seconds to wait for the coordinator (then fail).
       external_coordinator: the service runs in a process of its own (``python -m
-        lsgd_jax.elastic_coordinator --port P --processes N``, started before the
-        trainers, stopped after them): no trainer hosts it, so any trainer, process 0
-        included, may die and come back. Process 0 then binds JAX's own (unused)
-        service to a free port of 127.0.0.1.
-      compilation_cache: keep compiled programs on disk, so that a restarted or
-        rejoining process loads the programs it compiled before instead of compiling
-        them again (see :func:`lsgd_jax.use_compilation_cache`): True (default) for
-        ``$LSGD_JAX_COMPILATION_CACHE`` or ``~/.cache/lsgd_jax/jax-compilation-cache``
-        (a folder JAX already uses is kept), a path for that folder, False to leave
-        JAX's settings alone.
+        lsgd_jax.elastic_coordinator``), so that any trainer, process 0 included, may
+        die and come back.
+      compilation_cache: keep compiled programs on disk (see
+        :func:`lsgd_jax.use_compilation_cache`): True for its default folder, a path,
+        or False to leave JAX's settings alone.
 
     Returns:
       None.

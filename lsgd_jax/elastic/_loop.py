@@ -124,7 +124,8 @@ class ElasticLoop:
 
     Every process of the job builds the same loop and calls :meth:`run`. Each step runs
     inside ``live_devices`` on a mesh of the live processes (one row, i.e. node, per
-    process), built per membership and cached with its compiled programs.
+    process), built per membership and cached with its compiled programs. Each
+    argument's contract in full, and what a failure costs: docs/failures.md.
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> loss`` (as for
@@ -134,58 +135,27 @@ class ElasticLoop:
       init_params: the initial params (the same on every process); a joining process
         uses them only for their shapes.
       batch_fn: ``batch_fn(step, layout) -> tree`` of this process's rows of the global
-        batch of ``step`` (``layout.devices_per_process`` times the rows per replica;
-        with ``fsdp_axes="local"`` its one replica's rows), e.g. rows chosen by
-        ``layout.row`` or by the process index. Called at the start of every attempt
-        of a step: a retried step calls it again with the same ``step``, so return the
-        same rows for the same step and process. It is part of the step (keep it well
-        under the collective timeout); an error it raises ends the run. The contract
-        in full: "What you provide" in docs/failures.md.
-      step_options: more keyword arguments for ``data_parallel_step`` (e.g.
-        ``{"specialize": "switch"}``), checked here; donation and overlap are off (a
-        retry needs the state before the step). ``{"fsdp_axes": "local"}``: each
-        process is one replica spanning its devices (HSDP): its params, optimizer
-        and averager state are sharded over them (1/devices of the memory each),
-        its rows of the batch split over them inside the step, and averages (and a
-        joiner's healing, and checkpoints) move each shard across processes only;
-        build ``tx`` for replicas that are processes (e.g. ``post_local_sgd(start,
-        process_group="node", post_local_gradient_allreduce=False)``: the gradients
-        are already the node's mean). ``{"has_aux": True}``: each
-        :class:`StepRecord` carries the step's aux. ``{"with_model_state": True}``
-        (with ``init_model_state``): the state is ``(params, model_state, opt_state)``.
-      init_model_state: the initial model state (e.g. batch-norm statistics; the same
-        on every process), one per replica like the params, for ``step_options=
-        {"with_model_state": True}`` only. A joining process gets the mean of the live
-        replicas' model state (as for params); checkpoints and results carry it.
-      stall_timeout_s: end this process if one attempt's own work (everything but the
-        barrier that waits for the others and the wait for the membership's leader)
-        goes on this many seconds without compiling (None: never). Compiling a program
-        (the first step, a new phase, a new membership's mesh) is not a stall, however
-        long. With several processes it must be longer than initialize()'s
-        ``collective_timeout_s + heartbeat_timeout_s`` (else ValueError): a survivor
-        waits that long in a collective for a dead peer. See "Timeouts" in
-        docs/failures.md.
-      max_failures: consecutive failed attempts after which :meth:`run` gives up. Only
-        failures that can mean a dead peer (JAX's runtime errors: a collective or the
-        coordination service failed or timed out; ``live_devices``'s
-        ``ProcessFailureError``) are retried; any other error (the loss's, the
-        batch's, a bad ``initial_state``) is raised at once, and the other processes
-        stop too with a ``RuntimeError`` naming it.
+        batch of ``step``, called at every attempt of the step: return the same rows
+        for the same step and process ("What you provide" in docs/failures.md).
+      step_options: more keyword arguments for ``data_parallel_step`` (no donation or
+        overlap), e.g. ``{"fsdp_axes": "local"}``: one replica per process (HSDP).
+      stall_timeout_s: end this process if one attempt's own work (compiles excepted)
+        goes on this many seconds (None: never); with several processes, longer than
+        ``initialize()``'s ``collective_timeout_s + heartbeat_timeout_s``.
+      max_failures: consecutive failed attempts after which :meth:`run` gives up; only
+        errors that can mean a dead peer are retried, any other is raised at once.
       on_step: called with each :class:`StepRecord` as the step completes.
-      on_attempt: called with ``(step, layout)`` as each attempt starts its step
-        (after the step's checkpoint save has started, if it saves one).
+      on_attempt: called with ``(step, layout)`` as each attempt starts its step.
       checkpoint_dir: a folder to save checkpoints into and resume from (None: none).
-        :meth:`run` at the start of a job resumes from its newest finalized step (on
-        any number of processes: the replicas are resized). And when no live process
-        holds the model any more (the last holder died while a restarted process was
-        joining), the live ones restart from it (from the fresh state before the
-        first save), instead of ending with ``CoordinatorLostError``.
-      checkpoint_every: save the state at the start of every step that is a multiple
-        of it (step 0 excepted), in the format of :func:`~lsgd_jax.save_checkpoint`;
-        needs ``checkpoint_dir``. The live processes save it (the lowest writes,
-        asynchronously); a death during a save leaves the previous checkpoints
-        readable and the save is done again over the survivors. Call :meth:`shutdown`
-        at the end: it waits for this process's writes in flight.
+      checkpoint_every: save at every step that is a multiple of it (needs
+        ``checkpoint_dir``); call :meth:`shutdown` at the end to wait for the writes.
+      init_model_state: the initial model state (the same on every process), for
+        ``step_options={"with_model_state": True}`` only.
+
+    Raises:
+      TypeError: an argument of the wrong type.
+      ValueError: a bad value, an unknown or forbidden step option, or a
+        ``stall_timeout_s`` not longer than the collective and heartbeat timeouts.
 
     Example:
       >>> import lsgd_jax.elastic as elastic

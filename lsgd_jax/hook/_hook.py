@@ -42,38 +42,24 @@ def post_localSGD_hook(state: PostLocalSGDState, grads: Any) -> tuple[Any, PostL
     The JAX form of PyTorch's ``post_localSGD_hook``: while ``state.iter <
     state.start_localSGD_iter`` it takes the mean of ``grads`` over ``process_group`` and
     advances ``iter``; from then on the mean over ``subgroup`` (or ``grads`` untouched when
-    ``post_local_gradient_allreduce`` is False), and ``iter`` stays put. The choice is one
-    ``lax.cond`` on the step count, so each step runs exactly one of the collectives, never
-    both. Call it inside ``jax.shard_map`` or ``jax.pmap``, where the axes are bound.
-
-    Only floating-point leaves are averaged; each leaf keeps its dtype and its
-    varying-axes type, so the result can be carried through ``lax.scan``.
-
-    ``state.communication`` sends whichever mean the hook takes: the warm-up's global
-    means and, after the switch, the node-local ones. With ``comm.quantized()`` and its
-    error feedback, ``state.comm_state`` (per replica, zeros from ``state.init(params)``)
-    holds what rounding dropped from this replica's gradients, added to them before its
-    next mean; so over all replicas, the gradients handed out plus the residuals sum to
-    the true ones, across the switch too. With ``two_level=True`` a node-local mean never
-    leaves the node: it is an exact float32 mean and leaves the residual alone, so only
-    the cross-node traffic of the warm-up is quantized (the usual choice on a slow link).
-    With ``post_local_gradient_allreduce=False`` the residual left at the switch stays in
-    the state (at most one mean's rounding).
-
-    Do not ``jax.vmap`` over replicas with per-replica counters: a ``lax.cond`` whose
-    predicate is batched becomes a ``select`` that runs both branches, i.e. both
-    all-reduces on every step. Map replicas with ``jax.shard_map`` or ``jax.pmap``.
+    ``post_local_gradient_allreduce`` is False), and ``iter`` stays put. One ``lax.cond``
+    on the step count picks exactly one of the collectives. Call it inside
+    ``jax.shard_map`` or ``jax.pmap`` (not ``jax.vmap`` over replicas: that runs both).
+    Only floating leaves are averaged, each keeping its dtype and varying-axes type.
+    ``state.communication`` sends the means (error feedback: docs/options_in_depth.md).
 
     Args:
-      state: a PostLocalSGDState. Its ``iter`` must be the same on every replica (it is,
-        when it starts equal and only this function advances it). With an
-        error-feedback strategy, one per replica (a leading replica axis mapped like the
-        gradients), made by ``state.init(params)``.
+      state: a PostLocalSGDState, with the same ``iter`` on every replica; with an
+        error-feedback strategy, one per replica, made by ``state.init(params)``.
       grads: any pytree of gradients (this replica's).
 
     Returns:
       ``(grads, new_state)``: the averaged gradients and the next state (with this
       replica's new residual, under error feedback).
+
+    Raises:
+      TypeError: ``state`` is not a PostLocalSGDState.
+      ValueError: its strategy keeps a residual and ``state`` has none.
 
     Example:
       >>> import jax, jax.numpy as jnp, lsgd_jax
@@ -92,23 +78,6 @@ def post_localSGD_hook(state: PostLocalSGDState, grads: Any) -> tuple[Any, PostL
       >>> state, out = f(state, g)   # after: the mean inside each node of 2
       >>> out
       Array([0.5, 0.5, 2.5, 2.5], dtype=float32)
-
-      Quantized means with error feedback: the state per replica, with its residual.
-
-      >>> ef = lsgd_jax.PostLocalSGDState(
-      ...     None, "local", 1, communication=lsgd_jax.comm.quantized(8)).init(jnp.zeros(64))
-      >>> ef = lsgd_jax.replicate(ef, mesh)   # a leading replica axis
-      >>> data = P(("node", "local"))
-      >>> def step(state, g):
-      ...     g, state = lsgd_jax.post_localSGD_hook(
-      ...         jax.tree.map(lambda x: x[0], state), g[0])
-      ...     return jax.tree.map(lambda x: x[None], state), g[None]
-      >>> f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(data, data),
-      ...                           out_specs=(data, data)))
-      >>> g = jnp.linspace(-1.0, 1.0, 4 * 64).reshape(4, 64) ** 3
-      >>> ef, out = f(ef, g)
-      >>> bool(jnp.abs(out[0] - g.mean(0)).max() < 1e-2), ef.comm_state.shape
-      (True, (4, 64))
     """
     _check_state(state)
     global_group, subgroup = _groups(state)
@@ -182,31 +151,27 @@ def post_local_sgd(
 ) -> optax.GradientTransformationExtraArgs:
     """Post-local SGD gradient averaging as an optax transformation.
 
-    Put it first in ``optax.chain``: it replaces each replica's gradients by their mean
-    over all replicas for the first ``start_localSGD_iter`` steps, then by their mean
-    inside the node (see :func:`post_localSGD_hook`). Its state is a
-    :class:`PostLocalSGDState`. Pair it with :func:`model_averaging` (last in the chain),
-    with ``warmup_steps == start_localSGD_iter``, so that models are averaged over all
-    replicas every few steps once local SGD starts.
-
-    With ``optax.MultiSteps(chain)``, the hook runs (and communicates) on every
-    mini-step, but its count advances once per emitted update, so ``start_localSGD_iter``
-    counts optimizer updates, not mini-batches.
+    Put it first in ``optax.chain``: each replica's gradients become their mean over all
+    replicas for ``start_localSGD_iter`` steps, then their mean inside the node (see
+    :func:`post_localSGD_hook`); its state is a :class:`PostLocalSGDState`. Pair it with
+    :func:`model_averaging` last, ``warmup_steps == start_localSGD_iter``. Under
+    ``optax.MultiSteps`` it counts optimizer updates, not mini-batches.
 
     Args:
       start_localSGD_iter: steps of global averaging before local SGD starts (>= 0).
       process_group: the global group's axes; None: every mapped axis bound where it runs.
       subgroup: one node's axes; None: ``"local"``. An IndexGroups under ``jax.pmap``.
-      post_local_gradient_allreduce: if False, gradients are not averaged at all after the
-        switch (pure local SGD between model averages).
-      communication: how the gradient means travel (the warm-up's global ones and the
-        node-local ones after it), a ``lsgd_jax.comm`` strategy; None: one all-reduce
-        (``comm.flat()``, PyTorch's). ``comm.quantized()`` with error feedback keeps
-        its residual in the state, so ``init`` needs the params (see
-        :func:`post_localSGD_hook`).
+      post_local_gradient_allreduce: False: no gradient mean after the switch (local SGD).
+      communication: how the gradient means travel, a ``lsgd_jax.comm`` strategy; None:
+        one all-reduce (``comm.flat()``, PyTorch's). With error feedback
+        (``comm.quantized()``) ``init`` needs the params.
 
     Returns:
       An optax.GradientTransformationExtraArgs.
+
+    Raises:
+      TypeError: an argument of the wrong type (named, with the fix).
+      ValueError: a bad value, e.g. a negative ``start_localSGD_iter``.
 
     Example:
       >>> import optax, lsgd_jax

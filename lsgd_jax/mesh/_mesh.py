@@ -147,22 +147,13 @@ def replicate(
     ``in_specs=P(axes)`` each device sees a leading axis of size 1 (take ``x[0]``).
 
     With ``shard_over`` a replica spans the devices of those (non-data) mesh axes and
-    each leaf is split over them instead of copied whole onto each: its largest
-    dimension that divides by their size (the first, on a tie; a leaf with none stays
-    whole). Lay out params, optimizer state (whose averager state then follows the
-    params' shards) and model state alike, and build the step with
-    ``data_parallel_step(..., fsdp_axes=shard_over)``.
+    each leaf is split over them, on its largest dimension that divides by their size
+    (docs/training_loops.md, FSDP); build the step with ``fsdp_axes=shard_over``.
 
-    Every leaf must be an array: a function or another object (a whole Equinox module
-    holds its activation), or a Python bool (a flag such as Dropout's ``inference``), is
-    refused with an error naming the leaf and how to keep the model's non-array parts
-    out (``eqx.partition(model, eqx.is_inexact_array)``); ``None`` leaves (what
-    ``eqx.partition`` leaves in their place) are empty subtrees and pass. A Python int,
-    float or complex is replicated like an array (plain JAX takes it as a weakly typed
-    scalar) with a warning naming it, since in a model it is more often a setting (a
-    dropout rate) than a value to train; pass ``jnp.asarray(x)`` to say it is one.
-    Like :func:`make_mesh`, it warns (once a process) when simulated CPU devices have
-    too few threads for ``mesh`` (:func:`check_cpu_threads`).
+    Every leaf must be an array: a function or a Python bool is refused, naming the leaf
+    and the fix (``eqx.partition(model, eqx.is_inexact_array)``); ``None`` leaves pass; a
+    Python number is replicated with a warning naming it (docs/equinox.md). It warns
+    (once a process) when simulated CPU devices have too few threads for ``mesh``.
 
     Args:
       tree: a pytree of arrays (the same on every process).

@@ -74,16 +74,23 @@ class Schedule(_CounterLimit):
 
     @property
     def num_levels(self) -> int:
-        """How many levels (groups, or fragments) average: 1 unless a subclass says."""
+        """The number of levels (groups, or fragments) that average; 1 by default."""
         return 1
 
     @property
     def cycle(self) -> int | None:
-        """The period of the levels (None: they never repeat, the counter cannot wrap)."""
+        """The period of the levels, or None if they never repeat (then the step
+        counter cannot wrap)."""
         return None
 
     def level(self, step: Any, last_sync: Any = None) -> Any:
-        """The level of the call at ``step`` (0: no average)."""
+        """The level of the call at ``step`` (0 for no average, 1 for an average).
+
+        ``step`` is an int32 array on the device and a Python int in host replays, so
+        write the rule with ``jnp`` (``jnp.where``, ``jnp.asarray(step) % 4``), not with
+        Python's ``if``. ``last_sync`` is the step of the last average when
+        ``tracks_last_sync`` is True, else None.
+        """
         raise NotImplementedError(f"{type(self).__name__} must define level(step, last_sync)")
 
     def is_global(self, level: int) -> bool:
@@ -98,22 +105,41 @@ class Schedule(_CounterLimit):
 
     def first_global_step(self, fragment: int = 0) -> int:
         """The step of the first global average of ``fragment`` (0-based; 0 without
-        fragments): until then the replicas' anchors may differ. By default the first
+        fragments); until then the replicas' anchors may differ. By default the first
         step at or after the warm-up whose level is global, found by a host replay of
-        at most ``cycle`` (or 100,000) steps."""
+        at most ``cycle`` (or 10,000) steps."""
         del fragment
         last = 0
-        for s in range(self.warmup_steps, self.warmup_steps + (self.cycle or 100_000)):
-            level = int(self.level(s, last))
+        for s in range(self.warmup_steps, self.warmup_steps + (self.cycle or 10_000)):
+            level = self.host_level(s, last)
             if level and self.is_global(level):
                 return s
             last = s if level else last
         return self.warmup_steps
 
+    def host_level(self, step: int, last_sync: int | None = None) -> int:
+        """``level`` on the host, as a checked Python int (also while JAX traces a step:
+        a rule written with ``jnp`` is evaluated, not traced).
+
+        Raises:
+          ValueError: the level is not an int from 0 to ``num_levels``.
+        """
+        with jax.ensure_compile_time_eval():
+            got = np.asarray(self.level(step, last_sync if self.tracks_last_sync else None))
+        level = int(got) if got.shape == () else -1
+        if level != got or not 0 <= level <= self.num_levels:
+            raise ValueError(
+                f"{type(self).__name__}.level({step}) returned {got!r}: a level is an int "
+                f"from 0 (no average) to num_levels ({self.num_levels}); return 1 where "
+                "the call averages and 0 elsewhere."
+            )
+        return level
+
     @property
     def num_phases(self) -> int:
-        """Branches of a call: "no average" and each level; with a ``delay``, each of
-        those with and without the landing of the average started ``delay`` calls ago."""
+        """The number of branches of a call, "no average" and each level; with a
+        ``delay``, each of those with and without the landing of the average started
+        ``delay`` calls ago."""
         return (self.num_levels + 1) * (2 if self.delay else 1)
 
     def lands(self, step: Any) -> Any:
@@ -161,8 +187,8 @@ class Schedule(_CounterLimit):
         self.check_calls(0, num_steps, type(self).__name__)
         out, last = [], 0
         for s in range(num_steps):
-            level = self.level(s, last)
-            out.append(int(level))
+            level = self.host_level(s, last)
+            out.append(level)
             last = s if level else last
         return np.asarray(out, np.int32)
 

@@ -65,15 +65,8 @@ def use_compilation_cache(
     The cache is an optimisation: where the folder cannot be used (it cannot be created,
     or written to, e.g. a read-only home, or a file in its place), a ``RuntimeWarning``
     naming the folder and how to choose another is issued once for that folder, and
-    JAX compiles without a cache. An explicit ``directory`` is treated the same way, as
-    the same job script may meet a writable folder on one host and not on another.
-    Arguments of the wrong type or value are refused before anything is created.
-
-    What it costs: disk, about the size of each compiled program (a few hundred KB to a
-    few MB per program on CPU; a step with one program per phase keeps one per phase,
-    per mesh and per set of input shapes); JAX keeps the folder unbounded unless
-    ``jax_compilation_cache_max_size`` is set. Reading an entry takes milliseconds.
-    The cache is trusted code: keep the folder private (the default is in your home).
+    JAX compiles without a cache; an explicit ``directory`` too. It costs disk, about
+    a program's size per program (docs/performance.md); keep the folder private.
 
     Args:
       directory: the folder (created if missing); None: ``$LSGD_JAX_COMPILATION_CACHE``

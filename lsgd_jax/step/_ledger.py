@@ -259,30 +259,13 @@ def communication_ledger(
 ) -> Ledger:
     """Bytes each device sends, across nodes and inside them, per step and per run.
 
-    Compiles (without running) the programs ``step`` will run for its next
-    ``num_steps`` calls from these arguments, the same ones those calls then use
-    (``step.compile``), reads each one's collectives, and charges
-    every step the bytes of its phase (replayed from the step counters). A step that
-    runs one program for every phase (``specialize="switch"`` or ``False``) takes one
-    branch per call: each phase's program is then compiled for the ledger alone (the
-    branch it takes sends what that program sends), so that a step is charged its
-    own branch, not all of them; where the phase of a call is decided on the device
-    (an optimizer that may skip updates), every branch is charged and
-    ``ledger.exact`` is False. A collective
-    crosses nodes when its groups span a mesh axis other than ``inner_axes``. Inside a
-    phase's program a collective under a conditional is charged whenever the phase
-    runs (the model state's mean, which runs whenever the params average), except the
-    one-time copy of a common anchor before the first global average (scope
-    ``common_anchor``), which is left out.
-
-    What it costs: the compiles of those programs, as ``step.compile(..., num_steps=
-    num_steps)`` (it is that compile), and nothing more. Called before training, it
-    is the compile the training would have done: the calls that follow compile
-    nothing (measured on a 32-leaf MLP, 3 phases, 8 CPU devices: 3.8 s of ledger, then
-    12 steps in 0.3 s, against 4.7 s for the 12 steps alone). Called after training,
-    it reads the programs training compiled (0.2 s). With ``specialize="switch"`` or
-    ``False`` it compiles each phase's program besides the step's one (to charge each
-    call its own branch).
+    Compiles (without running) the programs ``step`` will run for its next ``num_steps``
+    calls from these arguments (``step.compile``: the calls that follow then compile
+    nothing), reads each one's collectives, and charges every step the bytes of its
+    phase (replayed from the step counters). A collective crosses nodes when its groups
+    span a mesh axis other than ``inner_axes``. Where the phase of a call is decided on
+    the device (an optimizer that may skip updates) every branch is charged and
+    ``ledger.exact`` is False. What is charged, and what it costs: docs/communication_report.md.
 
     Args:
       step: a step from :func:`data_parallel_step`.

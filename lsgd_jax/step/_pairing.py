@@ -34,38 +34,22 @@ def check_configuration(opt_state: Any, *, check_order: bool = True, tx: Any = N
     """Checks how the post-local SGD pieces of an optimizer state fit together.
 
     Raises when ``model_averaging`` (or ``post_local_sgd_optimizer``) comes before
-    ``post_local_sgd`` in the chain: the averager would then turn the raw gradients into
-    updates that the hook and the optimizer rescale, so no average would land. With
-    ``check_order`` (the default) it also raises when anything comes before the hook in
-    its chain (an optimizer there would average its updates instead of the gradients,
-    and each replica's moments would drift apart; a clip there would clip each
-    replica's raw gradients instead of their mean) or after the model averaging (what
-    comes after it rescales the updates that move the replicas to the mean, so no
-    average lands). Nested chains, ``optax.named_chain`` and wrappers such as
-    ``optax.MultiSteps``, ``inject_hyperparams`` or ``apply_if_finite`` are seen
-    through: the hook must be first and the averaging last in every chain that holds
-    them. Warns,
-    once per configuration, when an averager's ``warmup_steps`` differs from the hook's
-    ``start_localSGD_iter`` (PyTorch's pairing sets them equal), and when an averaging
-    level's group lies inside the subgroup over which the hook keeps averaging gradients
-    after the switch: those replicas stay identical, so that level's all-reduce costs
-    time and changes nothing.
-
-    :func:`data_parallel_step` calls it when it traces a step; call it yourself on the
-    state of a hand-written ``shard_map`` step (static metadata only: no collective,
-    nothing waits for the device).
+    ``post_local_sgd``, and, with ``check_order``, when anything comes before the hook or
+    after the averaging in its chain (nested chains and wrappers such as
+    ``optax.MultiSteps`` are seen through). Warns, once per configuration, when an
+    averager's ``warmup_steps`` differs from the hook's ``start_localSGD_iter``, and when
+    an averaging level's group lies inside the hook's subgroup (its all-reduce changes
+    nothing). :func:`data_parallel_step` calls it; call it on the state of a hand-written
+    step (it reads static metadata only). Why each rule: docs/options_in_depth.md.
 
     Args:
       opt_state: an optax state holding PostLocalSGDState / ModelAveragerState nodes
         (per-replica or not), or a ``flax.nnx.Optimizer`` (its ``opt_state`` is read).
-      check_order: whether to refuse a hook that is not first, or a model averaging
-        that is not last, in its chain. Pass False only for an order you compose on
-        purpose (e.g. a transformation after the averaging that you know leaves the
-        updates alone); an averager before the hook is refused either way.
-      tx: the optimizer whose state this is, if you have it: the check then knows
-        which tuples of the state are ``optax.chain``'s (without it, a tuple holding a
-        bare-array state beside one chain, as in ``optax.chain(optax.chain(hook, opt,
-        averaging), t)``, reads like a wrapper's ``(inner, count)`` and is let through).
+      check_order: whether to refuse a hook that is not first, or a model averaging that
+        is not last, in its chain (False: an order composed on purpose; an averager
+        before the hook is refused either way).
+      tx: the optimizer whose state this is, if you have it, to tell ``optax.chain``'s
+        tuples from a wrapper's (without it, some misorders go unseen).
 
     Returns:
       None.
@@ -73,9 +57,8 @@ def check_configuration(opt_state: Any, *, check_order: bool = True, tx: Any = N
     Raises:
       TypeError: an NNX ``State`` of an optimizer (``nnx.state(optimizer)``), which
         has lost the states: pass ``optimizer.opt_state``.
-      ValueError: a model averager comes before the hook in the chain; or, with
-        ``check_order``, the hook is not first or the averaging not last, with the
-        order found and the order wanted.
+      ValueError: a model averager comes before the hook; or, with ``check_order``, the
+        hook is not first or the averaging not last (naming the order found and wanted).
 
     Example:
       >>> import optax, lsgd_jax

@@ -46,154 +46,46 @@ def data_parallel_step(
 ) -> DataParallelStep:
     """A jitted, donated ``shard_map`` training step over per-replica params and state.
 
-    Each replica computes ``loss_fn`` on its slice of the global batch, runs ``tx`` (e.g.
-    ``optax.chain(post_local_sgd(...), optimizer, model_averaging(...))``) on its own
-    gradients, and applies the updates to its own params. Params and optimizer state are
-    per replica (made by ``replicate(params, mesh)`` and ``replicate(tx.init(params),
-    mesh)``), since local SGD lets replicas diverge between averages.
-
-    Signatures (``B`` is the global batch, split over the replicas on its leading axis)::
-
-        loss_fn(params, batch) -> loss                       # default
-        loss_fn(params, batch) -> (loss, aux)                # has_aux=True
-        loss_fn(params, model_state, batch) -> (loss, new_model_state)   # with_model_state
-        loss_fn(params, model_state, batch) -> (loss, (new_model_state, aux))  # both
-
-        step(params, opt_state, batch) -> (params, opt_state, loss[, aux])
-        step(params, model_state, opt_state, batch)
-            -> (params, model_state, opt_state, loss[, aux])
-
-    ``loss`` is the mean over all replicas; floating ``aux`` leaves are averaged over the
-    replicas and integer ones summed (e.g. counts of correct predictions). Model state
-    (e.g. batch-norm statistics) is per replica and is averaged on the steps, and over the
-    group, that the optimizer's model averager averages the params (exactly: it is
-    assigned the mean), and only when the averager really ran (under
-    ``optax.MultiSteps`` only on the mini-steps that emit an update). Without a model
-    averager in ``tx`` (plain DDP) each replica keeps its own statistics (PyTorch's DDP
-    instead broadcasts rank 0's buffers every step); evaluate with ``consensus``.
-
-    Without :func:`post_local_sgd` in ``tx`` the step is plain DDP: it averages the
-    gradients over every replica on every step (``data_parallel_step(loss_fn,
-    optax.adamw(1e-3), mesh)`` is the synchronous baseline). A ``tx`` that averages models
-    but has no hook is refused (its replicas could never differ). When it traces, the
-    step also runs :func:`check_configuration` on the optimizer state.
-
-    In the HLO (see :func:`communication_report`) the collectives are named by scope:
-    ``post_localSGD_hook``, ``ddp``, ``model_averaging``, ``model_state_averaging``,
-    ``metrics``.
-
-    Flax NNX: rebuild the module inside ``loss_fn`` with ``nnx.merge(graphdef, params,
-    model_state, copy=True)``; without ``copy=True`` NNX refuses to mutate batch
-    statistics created at another trace level.
+    Each replica computes ``loss_fn`` on its rows of the batch and applies ``tx`` to its own
+    params (see :func:`replicate`); without :func:`post_local_sgd` in ``tx`` it is plain
+    DDP. Model state, aux, phases and checks in depth: docs/options_in_depth.md.
 
     Args:
-      loss_fn: the per-replica loss, see above.
-      tx: the optimizer; put ``post_local_sgd`` first and ``model_averaging`` last.
-      mesh: the mesh, e.g. :func:`make_mesh`; may have further (model) axes, which stay
-        automatic (the compiler shards over them).
-      has_aux: whether ``loss_fn`` returns auxiliary outputs.
-      with_model_state: whether ``loss_fn`` takes and returns model state.
+      loss_fn: ``(params, batch) -> loss``, or ``-> (loss, aux)`` with ``has_aux``; with
+        model state ``(params, model_state, batch) -> (loss, new_model_state)``.
+      tx: the optimizer; ``post_local_sgd`` first, ``model_averaging`` last.
+      mesh: e.g. :func:`make_mesh`; further (model) axes are left to the compiler.
+      has_aux: ``loss_fn`` also returns aux (floats averaged over replicas, ints summed).
+      with_model_state: ``loss_fn`` takes and returns (per-replica) model state.
       axes: the data-parallel axes; default :func:`data_axes` of ``mesh``.
       donate: donate the params, model state and optimizer state buffers.
-      max_in_flight: at most this many dispatched steps run ahead of the host (the step
-        waits for the loss of the step that many calls back; 2 was no slower than 8 on
-        CPU). None: no limit. On CPU with simulated devices, also give XLA's pool two
-        threads a device (:func:`simulate_cpu_devices`; "Threads for simulated CPU
-        devices" in docs/training_loops.md): the step warns when it is built if not.
-      specialize: how the step's branches are compiled. ``"phase"`` (default; ``True`` is
-        its alias): one program per phase (global or node-local gradient mean, times each
-        averaging level; see :func:`phase_index`), compiled when that phase first occurs and
-        chosen on the host from the step counters, each with every hook and averager pinned
-        to its branch, so it is straight-line code as fast as a hand-written step: the
-        gradient all-reduce overlaps the backward pass, and the first step compiles one
-        phase only. The host follows the counters itself (no wait for the device); each
-        program also checks the phase on the device, and a program that meets another phase
-        leaves the state unchanged and the step raises an error a few calls later. Under
-        wrappers that may skip an update (``optax.MultiSteps``, ``apply_if_finite``,
-        ``conditionally_transform``, ``masked``... whose states hold ours) it uses
-        ``"switch"`` instead. ``"switch"``: one program, the whole step traced once per
-        phase under one ``lax.switch`` (as fast, but every phase compiled at once; at most
-        ``MAX_PHASES``, 16, else the conds). ``"cond"`` (``False`` is its alias): one
-        program with a ``lax.cond`` per transform (fuses worse: 12-40% slower on CPU, see
-        benchmarks/overhead.py). The pin is static metadata of the states, so a ``jax.jit``
-        or ``jax.checkpoint`` around ``tx.update`` traces each phase apart. A collective's
-        ``branch`` in :func:`communication_report` is the phase index.
-      lowering: ``"shard_map"`` (default): the whole per-replica step runs inside one
-        ``jax.shard_map`` over the data axes. ``"jit"``: for pjit-style code that never
-        writes ``shard_map``: ``loss_fn`` runs under plain ``jax.jit``, mapped over the
-        replica axis with ``jax.vmap`` (model axes sharded by the compiler, as in the
-        rest of such a codebase), and only the update, whose means must name the data
-        axes, runs inside a ``shard_map`` of its own. The same signature, layout and
-        collectives (each conditional on its phase as before); the numbers are equal up
-        to float rounding, since the compiler fuses the loss differently (measured:
-        1e-6 after 8 SGD steps, 3e-5 after 8 AdamW steps of a 0.5M-parameter
-        transformer).
-      overlap: deprecated, no effect (None, the default, or False). It used to take a
-        delayed average's mean in a background program on a second thread; that mean
-        then lived only in the thread, so a state handed to a checkpoint or another
-        step lost it, and the background program measured no faster on CPU (see
-        docs/performance.md). Every step now returns complete state: a delayed
-        average's mean is taken inside the step that starts it and kept in the
-        averager's state until it lands. ``True`` warns.
-      compile_ahead: with one program per phase, look this many calls ahead and compile
-        the programs of phases still to come on a background thread while the steps
-        run, so that a new phase does not stall its first step to compile (it waits
-        only for what is left of that compile). 0: each phase compiles when it first
-        occurs. ``step.compile(..., num_steps=N)`` compiles them all up front instead.
-      fsdp_axes: mesh axes (not data axes) over which each replica spans devices, its
-        params, model state, optimizer state and averager state sharded over them as
-        ``replicate(..., shard_over=fsdp_axes)`` lays them out (FSDP / ZeRO-3 inside a
-        replica): the step gathers a replica's params for the loss, splits the
-        replica's rows of the batch over these axes, and reduces the gradients back
-        onto the shards; every mean across replicas then moves one shard per device.
-        The numbers are those of the unsharded run up to float rounding. Needs
-        ``lowering="shard_map"``. None: each replica's values whole on its devices (a
-        further model axis is left to the compiler, as said under ``mesh``).
-      compiler_options: XLA options for every program of the step (as ``jax.jit``'s
-        ``compiler_options``), e.g. ``{"xla_gpu_enable_latency_hiding_scheduler":
-        True}`` on GPU; an option XLA does not know fails the first compile, naming it.
-      check_in_sync_every: on the first call and then every this many calls, run
-        :func:`assert_replicas_in_sync` on the incoming optimizer state, so that replicas
-        or processes whose step counters differ fail with an error instead of hanging
-        in a collective. It waits for the previous step (and, with several processes,
-        is a small collective). None: never.
-      check_order: refuse a chain whose ``post_local_sgd`` is not first or whose
-        ``model_averaging`` is not last (see :func:`check_configuration`); False for an
-        order composed on purpose.
-      example_params: one replica's params (or their abstract shapes, as
-        ``jax.ShapeDtypeStruct``), to run the checks that depend on the model's shapes
-        when the step is built; None: they run at the first call, before the step does.
-
-    What the step checks before the first step: the chain's order, and every phase the
-    optimizer will run (the warm-up, the node-local means after the switch, each
-    averaging level), traced on this mesh and on your model's shapes: an axis a later
-    phase needs and the mesh lacks is an error when the step is built, naming the phase
-    and the fix, not at step 10,000; what depends on the model (e.g. enough values for
-    ``fragments``) is checked on ``example_params`` then, or at the first call. A mesh
-    with Explicit axes (``jax.make_mesh``'s default) works: the step puts the batch
-    onto the data axes itself.
-
-    With several processes (one per node, see :func:`make_mesh`), every process calls
-    the step with the same arguments: params and optimizer state from :func:`replicate`
-    (or :func:`restore_checkpoint`), and a global batch assembled from each process's
-    rows with ``jax.make_array_from_process_local_data(NamedSharding(mesh, P(axes)),
-    local_batch)``.
+      max_in_flight: most dispatched steps run ahead of the host; None: no limit.
+      check_in_sync_every: run :func:`assert_replicas_in_sync` every this many calls.
+      specialize: ``"phase"`` (True), ``"switch"`` or ``"cond"`` (False): how phases compile.
+      lowering: ``"shard_map"``, or ``"jit"``: the loss under ``jax.jit`` and ``vmap``.
+      overlap: deprecated, no effect (``True`` warns; docs/performance.md).
+      compile_ahead: compile the phases of the next this many calls in the background.
+      fsdp_axes: mesh axes to shard each replica over (FSDP; ``lowering="shard_map"`` only).
+      compiler_options: XLA options for every program (as ``jax.jit``'s).
+      check_order: refuse a chain out of order (see :func:`check_configuration`).
+      example_params: one replica's params (or shapes) to check now; None: at first call.
 
     Returns:
-      A :class:`DataParallelStep`: call it as shown above.
+      A :class:`DataParallelStep`: ``step(params, [model_state,] opt_state, batch) ->
+      (params, [model_state,] opt_state, loss[, aux])``, ``loss`` the replicas' mean.
+
+    Raises:
+      TypeError: an argument of the wrong type.
+      ValueError: a bad value, or a chain or mesh the checks refuse (naming the fix).
 
     Example:
-      >>> import jax, jax.numpy as jnp, optax, lsgd_jax
+      >>> import jax.numpy as jnp, optax, lsgd_jax
       >>> mesh = lsgd_jax.make_mesh(2, 4)
       >>> tx = optax.chain(lsgd_jax.post_local_sgd(2), optax.sgd(0.1),
       ...     lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(2, warmup_steps=2)))
-      >>> loss_fn = lambda p, b: jnp.mean((b["x"] @ p - b["y"]) ** 2)
-      >>> step = lsgd_jax.data_parallel_step(loss_fn, tx, mesh)
-      >>> params = lsgd_jax.replicate(jnp.zeros(3), mesh)
-      >>> opt_state = lsgd_jax.replicate(tx.init(jnp.zeros(3)), mesh)
-      >>> batch = {"x": jnp.ones((16, 3)), "y": jnp.ones(16)}
-      >>> for _ in range(4):
-      ...     params, opt_state, loss = step(params, opt_state, batch)
+      >>> step = lsgd_jax.data_parallel_step(lambda p, b: jnp.mean((b @ p - 1) ** 2), tx, mesh)
+      >>> p, s = (lsgd_jax.replicate(t, mesh) for t in (jnp.zeros(3), tx.init(jnp.zeros(3))))
+      >>> for _ in range(4): p, s, loss = step(p, s, jnp.ones((16, 3)))
       >>> round(float(loss), 3)
       0.004
     """

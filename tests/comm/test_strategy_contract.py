@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from helpers import DATA, mesh_2x4, put, smap, squeeze, unsqueeze
 from jax import lax
@@ -105,3 +106,28 @@ def test_a_state_not_declared_is_refused_at_init_with_the_fix():
         averager.init(jnp.ones(3))
     with pytest.raises(TypeError, match="init returned None but keeps_state is True"):
         comm.initial_state(Forgets(), jnp.ones(3))
+
+
+@pytest.mark.filterwarnings("ignore:When period is 1")
+def test_a_stateful_strategy_averages_model_state_with_a_fresh_state():
+    """Values averaged alongside the params (a model's statistics) get no error feedback:
+    a stateful strategy's mean of them is given a fresh state each time (zeros), so here
+    the model state after an average is the mean of each replica's top-k."""
+    mesh = mesh_2x4()
+    tx = optax.chain(
+        lsgd_jax.post_local_sgd(0, post_local_gradient_allreduce=False),
+        optax.sgd(0.0),
+        lsgd_jax.model_averaging(lsgd_jax.PeriodicModelAverager(1, communication=TopK(1))),
+    )
+
+    def loss(params, model_state, batch):
+        return jnp.sum(params["w"] * 0.0), {"stat": batch[0]}
+
+    step = lsgd_jax.data_parallel_step(loss, tx, mesh, with_model_state=True)
+    params = {"w": jnp.zeros(3)}
+    p, s = lsgd_jax.replicate(params, mesh), lsgd_jax.replicate(tx.init(params), mesh)
+    ms = lsgd_jax.replicate({"stat": jnp.zeros(3)}, mesh)
+    rows = np.random.default_rng(3).normal(size=(8, 3)).astype(np.float32)
+    p, ms, s, _ = step(p, ms, s, jnp.asarray(rows))
+    want = np.stack([numpy_topk(r, 1) for r in rows]).mean(0)
+    np.testing.assert_allclose(np.asarray(ms["stat"]), np.broadcast_to(want, (8, 3)), atol=1e-6)

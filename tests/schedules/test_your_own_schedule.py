@@ -67,9 +67,11 @@ def train(averager, steps=14):
     return p
 
 
-def test_a_user_schedule_trains_through_the_step_like_its_callable_twin():
-    mine = train(lsgd_jax.PeriodicModelAverager(Shrinking()))
-    twin = train(lsgd_jax.PeriodicModelAverager(shrinking_callable, warmup_steps=2))
+@pytest.mark.parametrize("options", [{}, {"delta": True}], ids=["plain", "delta"])
+def test_a_user_schedule_trains_through_the_step_like_its_callable_twin(options):
+    # delta=True asks the schedule for its first global step while the step is traced
+    mine = train(lsgd_jax.PeriodicModelAverager(Shrinking(), **options))
+    twin = train(lsgd_jax.PeriodicModelAverager(shrinking_callable, warmup_steps=2, **options))
     jax.tree.map(np.testing.assert_array_equal, mine, twin)
     # step 13 averages (period 1 from step 12): the replicas agree
     for leaf in jax.tree.leaves(mine):
@@ -114,4 +116,68 @@ def test_a_schedule_without_a_rule_names_what_is_missing():
         pass
 
     with pytest.raises(NotImplementedError, match="Empty must define level"):
-        lsgd_jax.PeriodicModelAverager(Empty()).schedule(3)
+        lsgd_jax.PeriodicModelAverager(Empty())
+
+
+@dataclasses.dataclass(frozen=True)
+class EveryThird(Schedule):
+    """A rule of the step alone (no last_sync), with a delay field."""
+
+    delay: int = 0
+    every: int = 3
+
+    def level(self, step, last_sync=None):
+        return (jnp.asarray(step) % self.every == 0).astype(jnp.int32)
+
+
+def test_a_rule_that_reads_last_sync_must_say_so():
+    @dataclasses.dataclass(frozen=True)
+    class Untracked(Schedule):
+        def level(self, step, last_sync=None):
+            return ((step - last_sync) >= 2).astype(jnp.int32)
+
+    with pytest.raises(TypeError, match="set tracks_last_sync = True"):
+        lsgd_jax.PeriodicModelAverager(Untracked())
+
+
+def test_a_level_outside_its_range_is_refused_by_the_replay():
+    @dataclasses.dataclass(frozen=True)
+    class Two(Schedule):
+        def level(self, step, last_sync=None):
+            return jnp.where(jnp.asarray(step) % 2 == 0, 2, 0)
+
+    with pytest.raises(
+        ValueError, match=r"level\(0\) returned .*from 0 \(no average\) to num_levels \(1\)"
+    ):
+        lsgd_jax.PeriodicModelAverager(Two())
+
+
+def test_a_delay_belongs_to_the_schedule_and_keeps_one_average_in_flight():
+    delayed = lsgd_jax.PeriodicModelAverager(EveryThird(delay=1))
+    assert delayed.delay == 1 and delayed.sync_schedule.num_phases == 4
+    want = lsgd_jax.PeriodicModelAverager(3, delay=1)
+    np.testing.assert_array_equal(delayed.schedule(12), want.schedule(12))
+    with pytest.raises(ValueError, match="closer than delay=3"):
+        lsgd_jax.PeriodicModelAverager(EveryThird(delay=3))
+    with pytest.raises(ValueError, match="delay=1 belongs to the schedule"):
+        lsgd_jax.PeriodicModelAverager(Shrinking(), delay=1)
+
+    @dataclasses.dataclass(frozen=True)
+    class TrackedDelay(Shrinking):
+        delay: int = 1
+
+    with pytest.raises(ValueError, match="needs a rule of the step alone"):
+        lsgd_jax.PeriodicModelAverager(TrackedDelay())
+
+
+def test_a_schedule_is_a_frozen_dataclass_instance():
+    with pytest.raises(TypeError, match="pass an instance, period=Shrinking()"):
+        lsgd_jax.PeriodicModelAverager(Shrinking)
+
+    @dataclasses.dataclass
+    class Loose(Schedule):
+        def level(self, step, last_sync=None):
+            return jnp.asarray(step) % 2
+
+    with pytest.raises(TypeError, match="frozen dataclass"):
+        lsgd_jax.PeriodicModelAverager(Loose())
