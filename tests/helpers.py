@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import pathlib
 import sys
@@ -104,6 +105,46 @@ def train_step(tx, mesh, spec=DATA, loss=linear_loss, check_types=False):
         return unsqueeze(optax.apply_updates(params, updates)), unsqueeze(opt_state)
 
     return smap(body, mesh, (spec, spec, spec), (spec, spec))
+
+
+def mlp_loss(params, batch):
+    """A tanh MLP with one hidden layer (and its bias ``b1`` if the params hold one): the
+    mean squared error of ``tanh(x @ w1 [+ b1]) @ w2`` against ``y``."""
+    h = batch["x"] @ params["w1"]
+    h = jnp.tanh(h + params["b1"]) if "b1" in params else jnp.tanh(h)
+    return jnp.mean((h @ params["w2"] - batch["y"]) ** 2)
+
+
+def mlp_params(din=6, width=8, dout=1, *, bias=False, scale=None):
+    """mlp_loss's params, the same each call: normal weights from ``jax.random.key(0)``
+    divided by 3 (``scale=None``) or multiplied by ``scale``; a zero ``b1`` if ``bias``."""
+    k1, k2 = jax.random.split(jax.random.key(0))
+    w1, w2 = jax.random.normal(k1, (din, width)), jax.random.normal(k2, (width, dout))
+    w1, w2 = (w1 / 3, w2 / 3) if scale is None else (w1 * scale, w2 * scale)
+    if not bias:
+        return {"w1": w1, "w2": w2}
+    return {"w1": w1, "b1": jnp.zeros(width), "w2": w2}
+
+
+def tiny_mlp(din=6, width=8, dout=1, *, bias=False, scale=None):
+    """``(init_params, loss_fn)`` of a tiny MLP: ``init_params()`` is mlp_params with these
+    arguments (a keyword given to it overrides one), ``loss_fn`` is mlp_loss.
+
+    Example: ``init_params, loss_fn = tiny_mlp()`` (6 -> 8 -> 1, no bias)."""
+    init = functools.partial(mlp_params, din=din, width=width, dout=dout, bias=bias, scale=scale)
+    return init, mlp_loss
+
+
+def state_for(tx, mesh, scale=1.0):
+    """``{"params", "opt_state"}`` of mp_worker.py's model (its params times ``scale``) under
+    ``tx``, replicated over ``mesh``: the state the checkpoint tests save and restore."""
+    from mp_worker import init_params
+
+    p0 = jax.tree.map(lambda x: x * scale, init_params())
+    return {
+        "params": lsgd_jax.replicate(p0, mesh),
+        "opt_state": lsgd_jax.replicate(tx.init(p0), mesh),
+    }
 
 
 def isinstance_sites(classes, allowed_folders):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import mesh_2x4, types_of
+from helpers import mesh_2x4, state_for, types_of
 from mp_worker import CFG, fresh_state, global_batch, init_params, loss_fn, make_tx, train
 
 import lsgd_jax
@@ -24,14 +24,6 @@ def hierarchical_tx():
 
 
 TXS = {"periodic": make_tx, "hierarchical": hierarchical_tx}
-
-
-def state_for(tx, mesh):
-    p0 = init_params()
-    return {
-        "params": lsgd_jax.replicate(p0, mesh),
-        "opt_state": lsgd_jax.replicate(tx.init(p0), mesh),
-    }
 
 
 def assert_trees_equal(got, want):

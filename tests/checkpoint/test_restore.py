@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import mesh_2x4
-from mp_worker import CFG, init_params
+from helpers import mesh_2x4, state_for
+from mp_worker import CFG
 
 import lsgd_jax
 
@@ -60,14 +60,6 @@ def optimizer_tx():
             ),
         ),
     )
-
-
-def state_for(tx, mesh, scale=1.0):
-    p0 = jax.tree.map(lambda x: x * scale, init_params())
-    return {
-        "params": lsgd_jax.replicate(p0, mesh),
-        "opt_state": lsgd_jax.replicate(tx.init(p0), mesh),
-    }
 
 
 def restore_recording(*args, **kwargs):

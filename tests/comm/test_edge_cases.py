@@ -1,4 +1,9 @@
-"""Issue 17's communication defects: empty leaves, device order, inner axis, padding, checks."""
+"""Communication strategies at their edges: trees with empty leaves, the device order, an
+inner axis outside the mesh or the group, padding (a quantized mean never sends more than
+its float32 mean), and argument checks however a strategy is built.
+
+The sections are numbered as issue 17's communication defects, which these tests pinned down.
+"""
 
 from __future__ import annotations
 

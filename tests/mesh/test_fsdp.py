@@ -7,10 +7,10 @@ move one shard per device across replicas.
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import tiny_mlp
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -23,18 +23,7 @@ pytestmark = pytest.mark.slow
 STEPS, START, PERIOD = 9, 3, 2
 
 
-def loss_fn(p, b):
-    h = jnp.tanh(b["x"] @ p["w1"] + p["b1"])
-    return jnp.mean((h @ p["w2"] - b["y"]) ** 2)
-
-
-def init(width=16):
-    k1, k2 = jax.random.split(jax.random.key(0))
-    return {
-        "w1": jax.random.normal(k1, (12, width)) * 0.3,
-        "b1": jnp.zeros(width),
-        "w2": jax.random.normal(k2, (width, 2)) * 0.3,
-    }
+init, loss_fn = tiny_mlp(12, 16, 2, bias=True, scale=0.3)  # init(width=64): wider
 
 
 def batches(rows=32):

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import tiny_mlp
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -19,18 +20,7 @@ AUTO3 = (AxisType.Auto,) * 3
 STEPS, START, PERIOD = 8, 3, 2
 
 
-def loss_fn(p, b):
-    h = jnp.tanh(b["x"] @ p["w1"] + p["b1"])
-    return jnp.mean((h @ p["w2"] - b["y"]) ** 2)
-
-
-def init():
-    k1, k2 = jax.random.split(jax.random.key(0))
-    return {
-        "w1": jax.random.normal(k1, (12, 16)) * 0.3,
-        "b1": jnp.zeros(16),
-        "w2": jax.random.normal(k2, (16, 2)) * 0.3,
-    }
+init, loss_fn = tiny_mlp(12, 16, 2, bias=True, scale=0.3)
 
 
 def batches(n_rows):

@@ -153,3 +153,40 @@ def test_a_callable_period_beyond_int32_is_read_as_never_again():
         inside.replay(6)
     with pytest.raises(OverflowError, match=r"return at most 2\*\*31 - 1 \(2147483647\)"):
         jax.jit(inside.level)(jnp.int32(5), jnp.int32(1))
+
+
+# --- through the averagers' level, against PyTorch's rules over 3000 steps ------------
+
+
+@pytest.mark.slow  # 3000 steps a draw, each draw compiled
+@settings(max_examples=60, deadline=None)
+@given(period=st.integers(1, 64), warmup=st.integers(0, 200))
+def test_periodic_schedule_property(period, warmup):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        averager = lsgd_jax.PeriodicModelAverager(period, warmup)
+    steps = np.arange(3000)
+    want = [torch_periodic_level(int(s), period, warmup) for s in steps]
+    assert [averager.level(int(s)) for s in steps] == want
+    np.testing.assert_array_equal(jax.jit(averager.level)(jnp.asarray(steps, jnp.int32)), want)
+
+
+@pytest.mark.slow  # 3000 steps a draw, each draw compiled
+@settings(max_examples=60, deadline=None)
+@given(
+    periods=st.lists(st.integers(1, 40), min_size=1, max_size=4, unique=True).map(sorted),
+    warmup=st.integers(0, 200),
+)
+def test_hierarchical_schedule_property(periods, warmup):
+    import warnings
+
+    axes = ["local", ("node", "local"), ("pod", "node", "local"), ("dc", "pod", "node", "local")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        averager = lsgd_jax.HierarchicalModelAverager(dict(zip(periods, axes)), warmup)
+    steps = np.arange(3000)
+    want = [torch_hierarchical_level(int(s), periods, warmup) for s in steps]
+    assert [averager.level(int(s)) for s in steps] == want
+    np.testing.assert_array_equal(jax.jit(averager.level)(jnp.asarray(steps, jnp.int32)), want)

@@ -26,6 +26,7 @@ import numpy as np
 import optax
 import pytest
 import spec_model as M
+from helpers import squeeze, unsqueeze
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
@@ -90,14 +91,6 @@ def mesh_of(topo: M.Topology) -> jax.sharding.Mesh:
         return lsgd_jax.make_mesh(*topo.shape)
     devices = np.array(jax.devices()[: topo.size]).reshape(topo.shape)
     return jax.sharding.Mesh(devices, topo.names)
-
-
-def squeeze(tree):
-    return jax.tree.map(lambda x: x[0], tree)
-
-
-def unsqueeze(tree):
-    return jax.tree.map(lambda x: x[None], tree)
 
 
 def fetch(tree):

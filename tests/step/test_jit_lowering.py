@@ -3,24 +3,17 @@ collectives and numbers as the shard_map lowering; and lsgd_jax.stacked for a us
 own plain-jit step."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import mesh_2x4
+from helpers import mesh_2x4, tiny_mlp
 
 import lsgd_jax
 
 GLOBAL = ("node", "local")
 
 
-def loss_fn(p, b):
-    return jnp.mean((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"] - b["y"]) ** 2)
-
-
-def init():
-    k1, k2 = jax.random.split(jax.random.key(0))
-    return {"w1": jax.random.normal(k1, (6, 8)) / 3, "w2": jax.random.normal(k2, (8, 1)) / 3}
+init, loss_fn = tiny_mlp()  # 6 -> 8 -> 1
 
 
 def make_tx():

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import mesh_2x4
+from helpers import mesh_2x4, tiny_mlp
 
 import lsgd_jax
 
@@ -16,14 +16,7 @@ pytestmark = pytest.mark.slow
 GLOBAL = ("node", "local")
 
 
-def loss_fn(p, b):
-    h = jnp.tanh(b["x"] @ p["w1"])
-    return jnp.mean((h @ p["w2"] - b["y"]) ** 2)
-
-
-def init_params():
-    k1, k2 = jax.random.split(jax.random.key(0))
-    return {"w1": jax.random.normal(k1, (6, 8)) / 3, "w2": jax.random.normal(k2, (8, 1)) / 3}
+init_params, loss_fn = tiny_mlp()  # 6 -> 8 -> 1
 
 
 def batches(steps, n=64):

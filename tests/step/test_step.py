@@ -344,3 +344,15 @@ def test_compiler_options_reach_every_program(lowering):
         run(compiler_options={"xla_no_such_option": True})
     with pytest.raises(TypeError, match="compiler_options must be a dict.*got \\['x'\\]"):
         lsgd_jax.data_parallel_step(loss, tx, mesh, compiler_options=["x"])
+
+
+def test_step_donates_its_state():
+    mesh = mesh_2x4()
+    tx = optax.chain(lsgd_jax.post_local_sgd(1), optax.sgd(0.1))
+    step = lsgd_jax.data_parallel_step(lambda p, b: jnp.mean((b @ p) ** 2), tx, mesh)
+    params = lsgd_jax.replicate(jnp.ones(3), mesh)
+    opt_state = lsgd_jax.replicate(tx.init(jnp.ones(3)), mesh)
+    new_params, new_state, _ = step(params, opt_state, jnp.ones((8, 3)))
+    assert params.is_deleted()  # donated: no second copy of the params is kept
+    assert all(x.is_deleted() for x in jax.tree.leaves(opt_state))
+    step(new_params, new_state, jnp.ones((8, 3)))  # the outputs feed the next step

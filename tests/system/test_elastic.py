@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from elastic_runs import GLOO_ABORT, STEPS, finals, launch, steps_of
 from multiprocess import ROOT, worker_env
@@ -343,3 +344,24 @@ def test_a_loss_that_raises_ends_every_process_at_once(tmp_path, who):
         else:  # found when its collective timed out (collective_timeout_s, 5 s)
             assert f"process {who} ended the run at step 2 with ValueError: the loss " in o, logs
     assert seconds < 90, seconds  # a hang would be 120 s or more (60.8 s seen in CI under load)
+
+
+# The example's own data, in this process (no launch).
+
+
+def test_the_elastic_example_reads_the_digits_scikit_learn_ships():
+    # Read from the package's file without importing scikit-learn (1.8 s of every
+    # trainer's start): the same arrays as load_digits.
+    import importlib.util
+    import pathlib
+
+    from sklearn.datasets import load_digits
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "elastic.py"
+    spec = importlib.util.spec_from_file_location("elastic_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    x, y = example._digits()
+    want_x, want_y = load_digits(return_X_y=True)
+    np.testing.assert_array_equal(x, want_x)
+    np.testing.assert_array_equal(y, want_y)

@@ -1,12 +1,16 @@
-"""Issue 17, defects 6-8: a probe against NumPy replays written from the docstrings.
+"""An average's anchor and the state it carries beside the params, against NumPy replays
+written from the docstrings (the spec model's ``average_call``) and numbers worked by hand:
 
-6. ``delta=True`` with replicas that start apart (each replica's ``init`` from its own
-   params): the first average of each fragment takes the group's common anchor, so the
-   replicas come together as they do without delta.
+6. ``delta=True`` (and an outer optimizer) with replicas that start apart (each
+   replica's ``init`` from its own params): the first average of each fragment takes the
+   group's common anchor, so the replicas come together as they do without delta.
 7. ``nonfinite="skip"``/``"exclude"`` and ``data_parallel_step``'s model state: the model
-   state is averaged exactly when, and over the groups where, the params were.
+   state is averaged exactly when, and over the groups where, the params were (and in
+   float32 when the params travel quantized).
 8. ``average_opt_state`` (and ``average_tree``'s extra values) with a quantized
-   communication: refused, with an error that says why.
+   communication: refused, with an error that says why; bfloat16 keeps Adam's moments.
+
+The sections are numbered as issue 17's defects 6-8, which these tests pinned down.
 """
 
 import dataclasses
