@@ -47,11 +47,14 @@ AVERAGER = "averager"  # a model averager's state (last in its chain)
 ROLES = frozenset({COUNTER, BUFFER, RESIDUAL, FLAG}) | STATIC_ROLES
 
 
-def field(role: str, **kwargs: Any) -> Any:
+def field(role: str, *, added: bool = False, **kwargs: Any) -> Any:
     """A state's dataclass field with its ``role`` (static metadata for CONFIG and PIN).
 
     Args:
       role: one of ``COUNTER``, ``BUFFER``, ``RESIDUAL``, ``FLAG``, ``CONFIG``, ``PIN``.
+      added: a data field added after checkpoints of the state were saved: left out of
+        the tree while it is None, so old checkpoints keep their structure (give it
+        ``default=None``).
       **kwargs: passed to ``dataclasses.field`` (e.g. ``default=None``).
 
     Returns:
@@ -66,6 +69,10 @@ def field(role: str, **kwargs: Any) -> Any:
     if role not in ROLES:
         raise ValueError(f"unknown state field role {role!r}; one of {sorted(ROLES)}.")
     metadata = dict(kwargs.pop("metadata", {}) or {}, role=role, static=role in STATIC_ROLES)
+    if added:
+        if role in STATIC_ROLES or kwargs.get("default", dataclasses.MISSING) is not None:
+            raise ValueError("an added field is a data field with default=None")
+        metadata["omit_if_none"] = True
     return dataclasses.field(metadata=metadata, **kwargs)
 
 

@@ -80,12 +80,16 @@ class Struct:
 def pytree_dataclass(cls: type[T] | None = None, *, omit_if_none: str | None = None) -> Any:
     """Registers the frozen dataclass ``cls`` (a :class:`Struct`) as a pytree with keys.
 
+    A child field whose metadata says ``"omit_if_none": True`` (``sp.field(...,
+    added=True)``: a field added to a state after checkpoints of it were saved) is left
+    out of the children while it is None, so the tree structure is what it was before
+    the field existed and a saved checkpoint's structure still matches; while present,
+    the aux data names it.
+
     Args:
       cls: the class (or None, to use ``@pytree_dataclass(omit_if_none=...)``).
-      omit_if_none: a child field left out of the children (not even a None subtree)
-        while it is None, so the tree structure is what it was before the field existed
-        (a saved checkpoint's structure still matches). At most one: the count of
-        children says whether it is there.
+      omit_if_none: the first such field, by name (the count of children says whether
+        it is there; kept for the structures saved with it).
 
     Returns:
       ``cls``, registered (or a decorator that registers it).
@@ -98,26 +102,38 @@ def pytree_dataclass(cls: type[T] | None = None, *, omit_if_none: str | None = N
     if omit_if_none is not None and omit_if_none not in data:
         raise ValueError(f"omit_if_none={omit_if_none!r} is not a child field of {cls}")
     keys = {n: jax.tree_util.GetAttrKey(n) for n in data}
+    added = tuple(f.name for f in fields if f.metadata.get("omit_if_none"))
+    kept = tuple(n for n in data if n != omit_if_none and n not in added)
 
-    def present(x: Any) -> tuple[str, ...]:
-        if omit_if_none is not None and getattr(x, omit_if_none) is None:
-            return tuple(n for n in data if n != omit_if_none)
-        return data
+    def present(x: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The children's names, and the added fields present (named in the aux data)."""
+        first = () if omit_if_none is None or getattr(x, omit_if_none) is None else (omit_if_none,)
+        more = tuple(n for n in added if getattr(x, n) is not None)
+        return tuple(n for n in data if n in kept or n in first or n in more), more
+
+    def aux_of(x: Any, more: tuple[str, ...]) -> tuple[Any, ...]:
+        statics = tuple(getattr(x, n) for n in meta)
+        return (*statics, ("added", more)) if more else statics
 
     def flatten_with_keys(x: Any) -> tuple[list[tuple[Any, Any]], tuple[Any, ...]]:
-        return [(keys[n], getattr(x, n)) for n in present(x)], tuple(getattr(x, n) for n in meta)
+        names, more = present(x)
+        return [(keys[n], getattr(x, n)) for n in names], aux_of(x, more)
 
     def flatten(x: Any) -> tuple[list[Any], tuple[Any, ...]]:
-        return [getattr(x, n) for n in present(x)], tuple(getattr(x, n) for n in meta)
+        names, more = present(x)
+        return [getattr(x, n) for n in names], aux_of(x, more)
 
     def unflatten(aux: tuple[Any, ...], children: Any) -> Any:
         children = list(children)
-        names = data if len(children) == len(data) else [n for n in data if n != omit_if_none]
+        more = aux[len(meta)][1] if len(aux) > len(meta) else ()
+        known = len(kept) + len(more)
+        first = (omit_if_none,) if omit_if_none is not None and len(children) > known else ()
+        names = [n for n in data if n in kept or n in first or n in more]
         obj = object.__new__(cls)
         for n, v in zip(meta, aux):
             object.__setattr__(obj, n, v)
-        if omit_if_none is not None:
-            object.__setattr__(obj, omit_if_none, None)
+        for n in ((omit_if_none,) if omit_if_none else ()) + added:  # None until given
+            object.__setattr__(obj, n, None)
         for n, v in zip(names, children):
             object.__setattr__(obj, n, v)
         return obj

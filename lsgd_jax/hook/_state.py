@@ -19,8 +19,6 @@ from lsgd_jax._core._struct import pytree_dataclass
 
 logger = logging.getLogger("lsgd_jax")
 
-_META = ("process_group", "subgroup", "start_localSGD_iter", "post_local_gradient_allreduce")
-
 
 def _log_start(iteration: Any) -> None:
     logger.info("Start to apply local SGD after %s iterations.", int(iteration))
@@ -105,7 +103,7 @@ class PostLocalSGDState(sp.PhasedState):
     start_localSGD_iter: int = sp.field(sp.CONFIG, metadata={"blank": 0})
     post_local_gradient_allreduce: bool = sp.field(sp.CONFIG, metadata={"blank": True})
     communication: Any = sp.field(sp.CONFIG)
-    pinned_phase: int | None = sp.field(sp.PIN)
+    pinned_phase: int | None = sp.field(sp.PIN, default=None)
     comm_state: Any = sp.field(sp.RESIDUAL, default=None)
 
     def __init__(
@@ -127,11 +125,9 @@ class PostLocalSGDState(sp.PhasedState):
                 post_local_gradient_allreduce, "post_local_gradient_allreduce"
             ),
             "communication": _check_communication(communication, "PostLocalSGDState"),
-            "pinned_phase": None,
-            "comm_state": None,
         }
-        for name, value in fields.items():
-            object.__setattr__(self, name, value)
+        for f in dataclasses.fields(self):  # the rest (a field added later too): defaults
+            object.__setattr__(self, f.name, fields.get(f.name, f.default))
         logger.info("Local SGD will be started after %s iterations", start)
 
     def init(self, params: Any = None) -> PostLocalSGDState:
@@ -238,6 +234,7 @@ class PostLocalSGDState(sp.PhasedState):
         return self.replace(iter=new_iter)
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in _META)
+        shown = [f.name for f in dataclasses.fields(self) if "blank" in f.metadata]
+        fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in shown)
         pin = "" if self.pinned_phase is None else f", pinned_phase={self.pinned_phase}"
         return f"PostLocalSGDState(iter={self.iter!r}, {fields}{pin})"
