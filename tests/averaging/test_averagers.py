@@ -11,6 +11,7 @@ import optax
 import pytest
 from helpers import (
     DATA,
+    drain_callback_errors,
     group_means,
     mesh_2x4,
     put,
@@ -244,6 +245,7 @@ def test_a_callable_period_fails_loudly_at_the_int32_maximum():
     with pytest.raises(Exception, match="reached the int32 maximum"):
         _, state = f(put(rank_values(8), mesh, DATA), put(state, mesh, P()))
         jax.block_until_ready(state)
+    drain_callback_errors()
 
 
 # --- bad input ------------------------------------------------------------------------

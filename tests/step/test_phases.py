@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import mesh_2x4, tiny_mlp
+from helpers import drain_callback_errors, mesh_2x4, tiny_mlp
 
 import lsgd_jax
 
@@ -297,9 +297,4 @@ def test_the_step_stops_at_the_int32_maximum_of_a_callable_period_as_the_device_
     with pytest.raises(Exception, match="reached the int32 maximum") as info:  # noqa: B017
         jax.block_until_ready(switch(p, s, data[6]))
     assert said in str(info.value)  # the device's words are the host's
-    # Every device's check raised; JAX keeps the failed program's runtime tokens and
-    # raises at every later effects barrier of this process: drop them here, not in
-    # another test's step (JAX has no public call for it).
-    from jax._src import dispatch
-
-    dispatch.runtime_tokens.clear()
+    drain_callback_errors()  # every device's check raised: not in another test's step
