@@ -13,6 +13,7 @@ from lsgd_jax import comm
 from lsgd_jax import elastic
 from lsgd_jax import hook
 from lsgd_jax import mesh
+from lsgd_jax import planner
 from lsgd_jax import report
 from lsgd_jax import schedules
 from lsgd_jax import step
@@ -42,6 +43,7 @@ from lsgd_jax.mesh import replicate
 from lsgd_jax.mesh import simulate_cpu_devices
 from lsgd_jax.mesh import step_counters
 from lsgd_jax.mesh import unreplicate
+from lsgd_jax.planner import plan
 from lsgd_jax.report import Collective
 from lsgd_jax.report import CommunicationReport
 from lsgd_jax.report import communication_report
@@ -72,6 +74,7 @@ __all__ = [
     "checkpoint",
     "hook",
     "mesh",
+    "planner",
     "report",
     "schedules",
     "step",
@@ -101,6 +104,7 @@ __all__ = [
     "communication_ledger",
     "communication_report",
     "elastic",
+    "plan",
     "consensus",
     "data_axes",
     "data_parallel_step",

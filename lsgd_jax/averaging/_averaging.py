@@ -180,38 +180,22 @@ class _Averager(_AveragerConfig):
 class PeriodicModelAverager(_Averager):
     """Averages the model over a group every ``period`` steps after a warm-up.
 
-    The JAX form of PyTorch's ``PeriodicModelAverager``: a call at step ``s`` (counted
-    from 0) averages when ``s >= warmup_steps`` and ``(s - warmup_steps) % period == 0``,
-    so the first average happens at step ``warmup_steps`` itself. With
+    The JAX form of PyTorch's ``PeriodicModelAverager``: the call at step ``s`` (from 0)
+    averages when ``s >= warmup_steps`` and ``(s - warmup_steps) % period == 0``. With
     :func:`post_local_sgd`, set ``warmup_steps == start_localSGD_iter``.
 
-    An immutable, hashable config; the step counter lives in the state from ``init()``.
-    Every option below is off by default, which is PyTorch's behaviour exactly.
+    An immutable, hashable config (the step counter lives in the state from ``init()``);
+    every option is off by default, which is PyTorch's behaviour exactly.
 
     Args:
-      period: steps between averages (>= 1; 1 warns, as plain DDP is then cheaper); or
-        a schedule ``period(step) -> int`` (jit-able, e.g. ``lambda s: jnp.where(s <
-        1000, 16, 4)``): the average at step ``s`` happens when ``s == warmup_steps`` or
-        ``s - last_average >= period(s)`` (AdaComm-style: Wang & Joshi, "Adaptive
-        Communication Strategies to Achieve the Best Error-Runtime Trade-off in Local-Update
-        SGD", SysML 2019). For a constant schedule this is the same rule. Or a
-        ``lsgd_jax.schedules.Schedule`` (your own rule; it carries the warm-up).
+      period: steps between averages (>= 1; 1 warns: DDP is then cheaper); or a jit-able
+        ``period(step) -> int``, averaging when ``s - last_average >= period(s)``
+        (AdaComm); or a ``lsgd_jax.schedules.Schedule`` (your own rule, with its warm-up).
       warmup_steps: steps before the first average (>= 0).
-      process_group: the axes to average over; None: every mapped axis bound where it runs.
-      fragments: split the params into this many equal slices of their flattened values
-        and average one slice at a time, round robin, each every ``period`` steps, the
-        k-th offset by ``k * period / fragments`` steps: the peak cross-node traffic per
-        step drops ``fragments`` times (Streaming DiLoCo, Douillard et al., 2025).
-        ``period`` must be an int divisible by ``fragments``. With ``delta`` or an
-        anchor, each fragment's anchor is that fragment at its own last average.
-        Streaming DiLoCo's outer optimizer is not supported: ``fragments`` with an
-        ``outer_optimizer`` is refused (ValueError); use ``fragments`` with a plain
-        average, or an ``outer_optimizer`` on the whole model (``fragments=1``).
-        Optimizer-state leaves averaged alongside (``post_local_sgd_optimizer``'s
-        ``average_opt_state``) that form a params-shaped part of the state (momentum,
-        Adam's moments; a mask may leave some of its leaves out) are cut like the
-        params; other leaves, and model state, are averaged whole at every fragment's
-        average.{options}
+      process_group: the axes to average over (None: every mapped axis bound there).
+      fragments: average one of this many equal slices of the params at a time, round
+        robin, the k-th offset by ``k * period / fragments`` steps (Streaming DiLoCo);
+        ``period`` divisible by it; not with an ``outer_optimizer``.{options}
     Example:
       >>> import lsgd_jax
       >>> avg = lsgd_jax.PeriodicModelAverager(period=4, warmup_steps=2)

@@ -25,81 +25,22 @@ NONFINITE_POLICIES = ("propagate", *comm.NONFINITE_POLICIES)
 logger = logging.getLogger("lsgd_jax")
 
 _OPTIONS_DOC = """
-      nonfinite: what a replica with NaN/Inf params does to an average
-        (``comm.finite_only(policy)``): ``"propagate"``
-        (default, PyTorch's behaviour: the whole group's element becomes NaN),
-        ``"exclude"`` (the mean of the finite replicas only, which the non-finite ones
-        also receive: ``average_parameters`` heals them; through ``model_averaging`` a
-        replica whose update is non-finite is healed, one whose params already are
-        keeps its NaN elements, since ``apply_updates`` adds to them, but cannot spread
-        them) or ``"skip"`` (a group with a non-finite replica does not average this
-        time). A skipped average (``"skip"`` with a non-finite replica, ``"exclude"``
-        with no finite one) changes nothing but the step: the params keep their local
-        values, and the anchor, the outer optimizer's state and its count stay as they
-        were (except that an average working from the group's common anchor, see
-        ``delta``, leaves that anchor). Both log a warning naming the replica and step
-        through the ``"lsgd_jax"`` logger (a host callback, compiled in while that logger
-        is enabled for WARNING at trace time); still one collective per average.
-        ``data_parallel_step``'s model state follows the params: a group that skipped
-        keeps its model state; where the params averaged, a replica whose own model
-        state is non-finite is left out of its mean and receives it (with either
-        policy), and one whose params were left out (``"exclude"``) still contributes a
-        finite model state (it came from a forward pass of finite numbers).
-      outer_optimizer: an optax transformation applied, at each global average, to the
-        pseudo-gradient ``anchor - mean(params)``, where ``anchor`` is the params at the
-        previous global average; the new params are ``anchor + updates`` (SlowMo, Wang
-        et al., ICLR 2020; DiLoCo, Douillard et al., 2023: ``optax.sgd(0.7,
-        momentum=0.9, nesterov=True)``). ``optax.sgd(1.0)`` is plain averaging, exactly.
-        Its state and the anchor live in the averager's state: ``init(params)``. Only
-        floating leaves take the outer step; integer leaves keep their own values.
-      outer_skip_first: the first global average is a plain average that sets the
-        anchor, and the outer optimizer acts from the second one on (default). Otherwise
-        the anchor is the params given to ``init``, and the first outer step, at the
-        switch, takes the whole synchronous warm-up as one pseudo-gradient: with
-        Nesterov momentum that overshoots it (measured on digits: accuracy dips to 93%
-        after the switch; see benchmarks/RESULTS.md). False matches DiLoCo without a
-        warm-up phase; if the replicas were given different params to ``init``, the
-        first outer step starts from the group's first replica's.
-      communication_dtype: e.g. ``jnp.bfloat16``: send the average in this dtype (an
-        all-to-all and an all-gather, about half the bytes of a float32 all-reduce) and
-        sum it in float32 (``communication=lsgd_jax.comm.compressed(dtype)``). The
-        params are then rounded to this dtype at each average unless ``delta=True``.
-      delta: average ``params - anchor`` (the change since the last global average)
-        instead of the params, and add it back to the anchor: with
-        ``communication_dtype`` the rounding then falls on the small change only.
-        Needs ``init(params)``. Until a fragment's first global average the anchor is
-        the params each replica was given to ``init``, which may differ; averages up to
-        and including that one (at every level of a hierarchy) work from the group's
-        first replica's anchor ``a``, ``a + mean(params - a)``, so the replicas come
-        together as without delta (``a`` is copied by one exact all-reduce of the
-        anchor in each of those averages, in a ``lax.cond`` on the step, or none when the
-        state is shared by every replica, passed unmapped). From then on the anchor is
-        common and only the change travels.
-      delay: ``tau`` (0: PyTorch's rule). A global average (every average of a
-        periodic averager, the last level of a hierarchical one) then lands ``tau``
-        calls after it starts: at a call t that averages, each replica keeps its params
-        ``s`` as they are and starts the mean (or the outer optimizer's step) of ``s``;
-        at call t + tau, after that call's update, params become ``params + (mean - s)``:
-        the consensus correction on top of the local progress made meanwhile, so the
-        average can travel while the next steps compute (Overlap Local-SGD: Wang,
-        Tantia, Ballas, Rabbat, "Overlap Local-SGD: An Algorithmic Approach to Hide
-        Communication Delays in Distributed SGD", ICASSP 2020; Streaming DiLoCo's
-        overlap: Douillard et al., 2025). ``1 <= tau <`` the period (``period /
-        fragments`` with fragments; the global period of a hierarchy): one average in
-        flight at a time. Needs ``init(params)``; ``s`` and the mean are in the state
-        (checkpointed). Model state (``data_parallel_step``) is averaged when the
-        average starts; ``average_opt_state`` is not supported with a delay.
-      communication: how the mean travels, a ``lsgd_jax.comm`` strategy (e.g.
-        ``comm.finite_only("skip")``, ``comm.compressed(jnp.bfloat16)``); None: from
-        ``nonfinite`` and ``communication_dtype`` (``comm.flat()`` by default). Give
-        either this or those two.
-      offload_state: True: keep the averager's buffers (the anchor, the outer
-        optimizer's state, the error-feedback residual, a delayed average's start and
-        mean) in host memory (``memory_kind="pinned_host"``) between averages, as
-        torchft stages its outer state in pinned CPU memory: an average copies them
-        onto the device, uses them and copies them back, and the steps between averages
-        do not touch them. ``replicate(tx.init(params), mesh)`` places them there. The
-        numbers are the same. None (default): on the device.
+      nonfinite: what a replica with NaN/Inf params does to an average:
+        ``"propagate"`` (PyTorch: the element becomes NaN), ``"exclude"`` (the finite
+        replicas' mean, which the others receive) or ``"skip"`` (the group does not
+        average this time).
+      outer_optimizer: an optax transformation applied at each global average to
+        ``anchor - mean(params)`` (SlowMo, DiLoCo); ``optax.sgd(1.0)`` is plain averaging.
+      outer_skip_first: the first global average sets the anchor and the outer step acts
+        from the second on (default); False: the anchor is ``init``'s params.
+      communication_dtype: e.g. ``jnp.bfloat16``: send the average in it, sum in float32.
+      delta: average ``params - anchor``, added back to the anchor.
+      delay: ``tau``: a global average lands ``tau`` calls after it starts, as ``params +
+        (mean - s)`` (Overlap Local-SGD); ``1 <= tau <`` the period.
+      communication: a ``lsgd_jax.comm`` strategy, instead of ``nonfinite`` and
+        ``communication_dtype``.
+      offload_state: True: the averager's buffers live in host memory between averages.
+        Each option in depth: docs/options_in_depth.md, "The averagers' options".
 """
 
 

@@ -45,8 +45,8 @@ def test_the_api_reference_names_every_public_name():
     # every name of lsgd_jax.__all__ and of each namespace's __all__, documented under its
     # top-level alias (the same object), under the heading of its namespace
     api = (DOCS / "api.md").read_text()
-    documented = set(re.findall(r"\.\. auto(?:class|function):: (\w+)", api))
-    qualified = set(re.findall(r"\.\. auto(?:class|function):: (lsgd_jax\.[\w.]+)", api))
+    documented = set(re.findall(r"\.\. auto(?:class|function|data):: (\w+)", api))
+    qualified = set(re.findall(r"\.\. auto(?:class|function|data):: (lsgd_jax\.[\w.]+)", api))
     for namespace in (lsgd_jax.comm, lsgd_jax.elastic):
         listed = re.search(rf"automodule:: {namespace.__name__}\n\s+:members: (.*)", api)
         assert listed and set(namespace.__all__) <= set(listed[1].split(", ")), namespace

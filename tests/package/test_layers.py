@@ -20,7 +20,7 @@ LAYERS = [  # lowest first; a folder may import from its own layer's other folde
     {"mesh"},
     {"report", "checkpoint"},
     {"step"},
-    {"elastic"},
+    {"elastic", "planner"},
 ]
 LAYER = {name: k for k, names in enumerate(LAYERS) for name in names}
 TOP = {"__init__", "_moved", "demo", "elastic_coordinator"}  # the package's front door

@@ -1,0 +1,141 @@
+"""The link between nodes, measured: timed all-reduces over the node axis, fitted."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from lsgd_jax import report, step
+from lsgd_jax._core import _validate
+
+SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 21)  # float32 values per device
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """The link between nodes: ``seconds = latency_s + link_bytes / bytes_per_s`` for
+    one collective that puts ``link_bytes`` on it (every device together, as
+    ``Ledger.link_per_step`` counts them).
+
+    Example:
+      >>> from lsgd_jax.planner import Link
+      >>> Link(bytes_per_s=12.5e6, latency_s=0.001).seconds(2.5e6, collectives=2)
+      0.202
+    """
+
+    bytes_per_s: float
+    latency_s: float
+
+    def __post_init__(self) -> None:
+        rate = _validate.real_number(self.bytes_per_s, "Link: bytes_per_s", "12.5e6")
+        latency = _validate.real_number(self.latency_s, "Link: latency_s", "0.001")
+        if rate <= 0 or latency < 0:
+            raise ValueError(
+                f"Link: bytes_per_s must be > 0 and latency_s >= 0, got {rate} and "
+                f"{latency}; e.g. Link(bytes_per_s=12.5e6, latency_s=0.001) for 100 Mbit/s."
+            )
+        object.__setattr__(self, "bytes_per_s", rate)
+        object.__setattr__(self, "latency_s", latency)
+
+    def seconds(self, link_bytes: float, collectives: int = 1) -> float:
+        """The time of ``collectives`` collectives that put ``link_bytes`` on the link."""
+        return collectives * self.latency_s + link_bytes / self.bytes_per_s
+
+
+def fit(link_bytes: Sequence[float], seconds: Sequence[float]) -> Link:
+    """The :class:`Link` whose line ``latency + bytes / bandwidth`` fits the timings
+    (least squares; a latency below 0 reads as 0).
+
+    Example:
+      >>> from lsgd_jax.planner import fit
+      >>> link = fit([1e3, 1e6, 4e6], [0.001 + b / 1e8 for b in (1e3, 1e6, 4e6)])
+      >>> round(link.bytes_per_s), round(link.latency_s, 6)
+      (100000000, 0.001)
+    """
+    x, y = np.asarray(link_bytes, float), np.asarray(seconds, float)
+    if x.size < 2 or np.ptp(x) == 0:
+        raise ValueError(f"fit needs two or more different sizes, got link_bytes={list(x)}.")
+    slope, intercept = np.polyfit(x, y, 1)
+    if slope <= 0:
+        raise ValueError(
+            "the timings do not grow with the bytes (a link this fast cannot be told from "
+            f"the noise; got seconds={list(y)} for link_bytes={list(x)}): time larger sizes."
+        )
+    return Link(bytes_per_s=float(1 / slope), latency_s=float(max(intercept, 0.0)))
+
+
+def measure_link(
+    mesh: Mesh,
+    *,
+    node_axis: str = "node",
+    sizes: Sequence[int] = SIZES,
+    repeats: int = 5,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[Link, list[dict[str, Any]]]:
+    """Times an all-reduce over ``node_axis`` of each size and fits a :class:`Link`.
+
+    Every process of the mesh must call it (the all-reduces are collectives). Each
+    program is compiled once, run once to warm up, then timed ``repeats`` times (the
+    median counts); its bytes on the link are read off the compiled program as the
+    ledger reads a step's.
+
+    Args:
+      mesh: the training mesh (its ``node_axis`` spans the nodes).
+      node_axis: the mesh axis across nodes.
+      sizes: float32 values per device of each all-reduce.
+      repeats: timed runs of each size.
+      clock: a monotonic clock, in seconds.
+
+    Returns:
+      ``(link, rows)``: the fit, and per size ``{"values", "link_bytes", "seconds"}``.
+
+    Raises:
+      ValueError: ``node_axis`` is not an axis of ``mesh``, or the fit failed.
+
+    Example:
+      >>> import lsgd_jax
+      >>> from lsgd_jax.planner import measure_link
+      >>> link, rows = measure_link(lsgd_jax.make_mesh(2, 4), sizes=(1 << 8, 1 << 20))
+      >>> [r["link_bytes"] for r in rows]  # a ring's 2 hops across, for 4 groups
+      [8192, 33554432]
+    """
+    if node_axis not in mesh.axis_names:
+        raise ValueError(
+            f"measure_link: node_axis={node_axis!r} is not an axis of the mesh "
+            f"{tuple(mesh.axis_names)}; pass the axis that spans the nodes."
+        )
+    repeats = _validate.positive_int(repeats, "measure_link: repeats")
+    spec = P(tuple(mesh.axis_names))
+    inner = tuple(a for a in mesh.axis_names if a != node_axis)
+    node_of = step.mesh_nodes(mesh, inner)
+    rows = []
+    for n in sizes:
+        program = jax.jit(
+            jax.shard_map(
+                lambda x: lax.psum(x, node_axis), mesh=mesh, in_specs=spec, out_specs=spec
+            )
+        )
+        x = jnp.ones((mesh.devices.size * int(n),), jnp.float32)
+        compiled = program.lower(x).compile()
+        collectives = report.communication_report(program, x, mesh=mesh)
+        link_bytes = sum(step.link_bytes(c, node_of) for c in collectives)
+        jax.block_until_ready(compiled(x))
+        times = []
+        for _ in range(repeats):
+            start = clock()
+            jax.block_until_ready(compiled(x))
+            times.append(clock() - start)
+        rows.append(
+            {"values": int(n), "link_bytes": link_bytes, "seconds": statistics.median(times)}
+        )
+    return fit([r["link_bytes"] for r in rows], [r["seconds"] for r in rows]), rows

@@ -1,0 +1,241 @@
+"""A setup for the user's link: each candidate's step time predicted from the measured link
+and compute and the bytes of its compiled programs, ranked, and the chosen chain."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from lsgd_jax import hook, step
+from lsgd_jax import mesh as mesh_room
+from lsgd_jax._core import _validate
+from lsgd_jax.planner._candidates import CANDIDATES, Candidate
+from lsgd_jax.planner._link import Link, measure_link
+
+TIE = 0.02  # predicted run times this close count as equal
+
+
+def measure_compute(
+    loss_fn: Callable[..., Any],
+    params: Any,
+    batch: Any,
+    mesh: Mesh,
+    optimizer: Any,
+    *,
+    repeats: int = 5,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Seconds of one step's compute: the local phase (local SGD, no gradient mean),
+    compiled once, run once to warm up, then the median of ``repeats`` timed steps.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, lsgd_jax
+      >>> from lsgd_jax.planner import measure_compute
+      >>> seconds = measure_compute(lambda p, b: jnp.mean((b @ p) ** 2), jnp.zeros(64),
+      ...     jnp.ones((8, 64)), lsgd_jax.make_mesh(2, 4), optax.sgd(0.1), repeats=2)
+      >>> 0 < seconds < 10
+      True
+    """
+    repeats = _validate.positive_int(repeats, "measure_compute: repeats")
+    tx = optax.chain(hook.post_local_sgd(0, post_local_gradient_allreduce=False), optimizer)
+    local = step.data_parallel_step(loss_fn, tx, mesh)
+    p, s = mesh_room.replicate(params, mesh), mesh_room.replicate(tx.init(params), mesh)
+    p, s, _ = local(p, s, batch)
+    jax.block_until_ready(p)
+    times = []
+    for _ in range(repeats):
+        start = clock()
+        p, s, _ = local(p, s, batch)
+        jax.block_until_ready(p)
+        times.append(clock() - start)
+    return statistics.median(times)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One candidate's prediction.
+
+    Attributes:
+      name: the candidate's.
+      step_s: its average step over the run, seconds.
+      run_s: the run's predicted seconds.
+      speedup: DDP's run time over this one's.
+      link_bytes: bytes on the links between nodes over the run.
+      bytes_ratio: DDP's link bytes over this one's.
+      risk: the candidate's quality risk (nats per byte), or None.
+      measured: where the risk was measured.
+      phase_step_s: ``{link MB of a step: its predicted seconds}``, one per kind of step.
+    """
+
+    name: str
+    step_s: float
+    run_s: float
+    speedup: float
+    link_bytes: int
+    bytes_ratio: float
+    risk: float | None
+    measured: str
+    phase_step_s: dict[str, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What ``lsgd_jax.plan`` found: the link and compute it measured (or was given), every
+    candidate ranked by predicted run time, and the chosen one with its chain.
+
+    Attributes:
+      link: the :class:`Link`.
+      compute_s: one step's compute, seconds.
+      rows: the candidates, fastest first.
+      chosen: the fastest row within the tolerance.
+      tx: the chosen chain (the user's optimizer inside).
+      tolerance: the quality risk allowed (nats per byte).
+      probe: the link probe's timings (empty when the link was given).
+    """
+
+    link: Link
+    compute_s: float
+    rows: tuple[Row, ...]
+    chosen: Row
+    tx: Any
+    tolerance: float
+    probe: tuple[dict[str, Any], ...] = ()
+
+    def __str__(self) -> str:
+        rate = self.link.bytes_per_s * 8 / 1e6
+        head = [
+            f"link: {rate:,.1f} Mbit/s, {self.link.latency_s * 1e3:.3f} ms a collective; "
+            f"compute {self.compute_s * 1e3:.1f} ms a step; tolerance {self.tolerance}",
+            "| setup | step (ms) | speed over DDP | node-link MB, run | DDP's bytes / its | "
+            "quality risk (nats/byte) |",
+            "|---|---:|---:|---:|---:|---|",
+        ]
+        for r in self.rows:
+            mark = " **(chosen)**" if r is self.chosen else ""
+            risk = "not measured" if r.risk is None else f"{r.risk:+.3f} ({r.measured})"
+            head.append(
+                f"| {r.name}{mark} | {r.step_s * 1e3:.1f} | {r.speedup:.2f}x | "
+                f"{r.link_bytes / 1e6:,.1f} | {r.bytes_ratio:.1f} | {risk} |"
+            )
+        return "\n".join(head)
+
+
+def predict(ledger: Any, link: Link, compute_s: float) -> np.ndarray:
+    """Each step's predicted seconds: compute, then each collective across nodes waits
+    the link's latency and its bytes cross at the link's rate (no overlap).
+
+    Example:
+      >>> import jax.numpy as jnp, optax, lsgd_jax
+      >>> from lsgd_jax.planner import Link, predict
+      >>> mesh = lsgd_jax.make_mesh(2, 4)
+      >>> tx = optax.chain(lsgd_jax.post_local_sgd(10), optax.sgd(0.1))  # DDP
+      >>> step = lsgd_jax.data_parallel_step(lambda p, b: jnp.mean((b @ p) ** 2), tx, mesh)
+      >>> p = lsgd_jax.replicate(jnp.zeros(256), mesh)
+      >>> s = lsgd_jax.replicate(tx.init(jnp.zeros(256)), mesh)
+      >>> ledger = lsgd_jax.communication_ledger(step, p, s, jnp.ones((8, 256)), num_steps=2)
+      >>> predict(ledger, Link(1e6, 0.001), compute_s=0.01).round(4).tolist()
+      [0.0146, 0.0146]
+    """
+    across = ledger.collectives("across")
+    return compute_s + across * link.latency_s + ledger.link_per_step() / link.bytes_per_s
+
+
+def plan(
+    loss_fn: Callable[..., Any],
+    params: Any,
+    batch: Any,
+    mesh: Mesh,
+    optimizer: Any,
+    *,
+    num_steps: int,
+    tolerance: float = 0.01,
+    link: Link | None = None,
+    compute_s: float | None = None,
+    candidates: Sequence[Candidate] = CANDIDATES,
+    node_axis: str = "node",
+) -> Plan:
+    """The setup for this link: measures it (and one step's compute) unless given,
+    predicts every candidate's step time from the bytes of its compiled programs, and
+    picks the fastest whose measured quality risk is within ``tolerance`` (of those
+    within 2% of it, the one of lowest risk).
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> loss``, as for ``data_parallel_step``.
+      params: the model's params (one replica, not replicated).
+      batch: one global batch.
+      mesh: the training mesh (``make_mesh(nodes, devices_per_node)``).
+      optimizer: the inner optax optimizer (e.g. ``optax.adamw(...)``).
+      num_steps: the run's length (the schedules and the bytes are the run's).
+      tolerance: the largest quality risk allowed, nats per byte of final loss against
+        a tuned DDP (the candidates' ``risk``, from docs/lm.md).
+      link: a ``lsgd_jax.planner.Link`` to use instead of measuring one.
+      compute_s: one step's compute to use instead of measuring it.
+      candidates: the setups to weigh (default ``CANDIDATES``).
+      node_axis: the mesh axis across nodes.
+
+    Returns:
+      A ``lsgd_jax.planner.Plan``; ``print(plan)`` shows the table, ``plan.tx`` is the chosen chain.
+
+    Raises:
+      ValueError: ``num_steps`` or ``tolerance`` is not valid, or no candidate is within
+        the tolerance.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, lsgd_jax
+      >>> mesh = lsgd_jax.make_mesh(2, 4)
+      >>> chosen = lsgd_jax.plan(
+      ...     lambda p, b: jnp.mean((b @ p) ** 2), jnp.zeros(4096), jnp.ones((8, 4096)),
+      ...     mesh, optax.sgd(0.1), num_steps=300, tolerance=0.05,
+      ...     link=lsgd_jax.planner.Link(12.5e6, 0.001), compute_s=0.01)
+      >>> chosen.chosen.name
+      'DiLoCo H=16, 8-bit averages, 4-bit warm-up to 1/15'
+    """
+    num_steps = _validate.positive_int(num_steps, "plan: num_steps")
+    tolerance = _validate.real_number(tolerance, "plan: tolerance", "0.01")
+    probe: tuple[dict[str, Any], ...] = ()
+    if link is None:
+        link, timings = measure_link(mesh, node_axis=node_axis)
+        probe = tuple(timings)
+    if compute_s is None:
+        compute_s = measure_compute(loss_fn, params, batch, mesh, optimizer)
+    inner = tuple(a for a in mesh.axis_names if a != node_axis)
+    found = []
+    for candidate in candidates:
+        tx = candidate.make(optimizer, num_steps)
+        built = step.data_parallel_step(loss_fn, tx, mesh)
+        p, s = mesh_room.replicate(params, mesh), mesh_room.replicate(tx.init(params), mesh)
+        ledger = step.communication_ledger(
+            built, p, s, batch, num_steps=num_steps, inner_axes=inner
+        )
+        seconds = predict(ledger, link, compute_s)
+        per_step = ledger.link_per_step()
+        phases = {f"{b / 1e6:.3f}": float(t) for b, t in zip(per_step, seconds)}
+        found.append((candidate, tx, float(seconds.mean()), int(per_step.sum()), phases))
+    ddp = next((f for f in found if f[0].name == "DDP"), found[0])
+    ranked: list[tuple[Row, Any]] = []
+    for candidate, tx, step_s, link_bytes, phases in found:
+        ranked.append((Row(
+            candidate.name, step_s, step_s * num_steps, ddp[2] / step_s, link_bytes,
+            ddp[3] / max(link_bytes, 1), candidate.risk, candidate.measured, phases,
+        ), tx))  # fmt: skip
+    ranked.sort(key=lambda r: r[0].run_s)
+    allowed = [r for r in ranked if r[0].risk is not None and r[0].risk <= tolerance]
+    if not allowed:
+        risks = {r[0].name: r[0].risk for r in ranked}
+        raise ValueError(
+            f"plan: no candidate is within tolerance={tolerance} (their risks: {risks}); "
+            "raise the tolerance, or pass candidates= with a setup you trust."
+        )
+    # a setup within TIE of the fastest is as fast, as far as a prediction can tell:
+    # then the lower risk
+    near = [r for r in allowed if r[0].run_s <= allowed[0][0].run_s * (1 + TIE)]
+    chosen, tx = min(near, key=lambda r: (r[0].risk, r[0].run_s))
+    return Plan(link, compute_s, tuple(r[0] for r in ranked), chosen, tx, tolerance, probe)

@@ -1,0 +1,140 @@
+"""lsgd_jax.plan: the link fitted from timed all-reduces, each candidate's step predicted
+from its compiled programs' bytes, the fastest within the tolerance chosen (a fake link
+and fake timings: deterministic)."""
+
+import subprocess
+import sys
+import textwrap
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import ROOT, mesh_2x4
+
+import lsgd_jax
+from lsgd_jax.planner import CANDIDATES, Link, fit, measure_link, plan
+
+N = 4096  # params of the test model
+
+
+def loss_fn(p, b):
+    return jnp.mean((b @ p) ** 2)
+
+
+def inputs():
+    return loss_fn, jnp.zeros(N), jnp.ones((8, N))
+
+
+def test_the_fit_recovers_a_link_and_refuses_timings_it_cannot_tell_apart():
+    sizes = [1e3, 1e5, 1e6, 8e6]
+    link = fit(sizes, [0.002 + b / 12.5e6 for b in sizes])
+    assert link.bytes_per_s == pytest.approx(12.5e6) and link.latency_s == pytest.approx(0.002)
+    assert link.seconds(12.5e6, collectives=3) == pytest.approx(1.006)
+    with pytest.raises(ValueError, match="two or more different sizes"):
+        fit([1e3, 1e3], [0.1, 0.2])
+    with pytest.raises(ValueError, match="do not grow with the bytes"):
+        fit([1e3, 1e6], [0.2, 0.1])
+    with pytest.raises(ValueError, match="bytes_per_s must be > 0"):
+        Link(0, 0.001)
+
+
+def test_the_probe_times_all_reduces_over_the_node_axis_and_fits_them():
+    """A fake clock makes each timed all-reduce last latency + bytes / rate, with the
+    bytes a ring puts on the link between 2 nodes: 4 groups (one per device of a node),
+    2 hops each, 4 bytes a value (independent of the ledger's counting)."""
+    mesh = mesh_2x4()
+    sizes, rate, latency = (1 << 10, 1 << 14, 1 << 18), 1e9, 5e-4
+    ticks = []
+    for n in sizes:
+        for _ in range(3):
+            ticks += [0.0, latency + 32 * n / rate]
+    clock = iter(ticks).__next__
+    link, rows = measure_link(mesh, sizes=sizes, repeats=3, clock=clock)
+    assert [r["link_bytes"] for r in rows] == [32 * n for n in sizes]
+    assert link.bytes_per_s == pytest.approx(rate) and link.latency_s == pytest.approx(latency)
+    with pytest.raises(ValueError, match="node_axis='nodes' is not an axis"):
+        measure_link(mesh, node_axis="nodes")
+
+
+SLOW_LINK = Link(12.5e6, 0.001)  # 100 Mbit/s, 1 ms a collective
+
+
+def planned(tolerance, link=SLOW_LINK, compute_s=0.01, **kwargs):
+    loss, params, batch = inputs()
+    return plan(loss, params, batch, mesh_2x4(), optax.sgd(0.1), num_steps=300,
+                tolerance=tolerance, link=link, compute_s=compute_s, **kwargs)  # fmt: skip
+
+
+def test_each_step_is_predicted_from_the_bytes_of_its_program():
+    found = planned(0.05)
+    rows = {r.name: r for r in found.rows}
+    ddp = rows["DDP"]
+    # DDP: one flat all-reduce a step, the gradients' (XLA adds the loss's mean to it):
+    # a ring over 8 devices in 2 nodes, whose 2 node-crossing hops carry 2 * 7/8 * 16 KiB
+    grads = 2 * 2 * 7 / 8 * 4 * N
+    assert ddp.link_bytes / 300 == pytest.approx(grads, rel=0.01)
+    assert ddp.step_s == pytest.approx(0.01 + 0.001 + grads / 12.5e6, rel=0.01)
+    # the ranking is by predicted run time; speed and bytes against DDP
+    assert [r.run_s for r in found.rows] == sorted(r.run_s for r in found.rows)
+    for r in found.rows:
+        assert r.speedup == pytest.approx(ddp.step_s / r.step_s)
+        assert r.bytes_ratio == pytest.approx(ddp.link_bytes / r.link_bytes)
+    assert rows["DDP, 4-bit two-level gradient means"].bytes_ratio == pytest.approx(12.4, rel=0.05)
+
+
+def test_the_fastest_within_the_tolerance_is_chosen_with_its_chain():
+    slow = planned(0.05)
+    fastest = min(r.run_s for r in slow.rows if r.risk <= 0.05)
+    near = [r for r in slow.rows if r.risk <= 0.05 and r.run_s <= fastest * 1.02]
+    assert slow.chosen.risk == min(r.risk for r in near) and slow.chosen in near
+    assert [line for line in str(slow).splitlines() if "**(chosen)**" in line] == [
+        line for line in str(slow).splitlines() if line.startswith(f"| {slow.chosen.name} ")
+    ]
+    strict = planned(0.01)
+    assert strict.chosen.risk <= 0.01
+    faster_but_risky = [r for r in strict.rows if r.run_s < strict.chosen.run_s]
+    assert all(r.risk > 0.01 for r in faster_but_risky)
+    assert planned(0.0).chosen.name == "DDP"
+    # on a link that costs nothing every setup takes the compute's time: the lowest risk
+    assert planned(0.05, link=Link(1e12, 0.0), compute_s=0.01).chosen.name == "DDP"
+    # the chain is ready: the chosen setup's, around the user's optimizer
+    assert isinstance(strict.tx, optax.GradientTransformation)
+    lsgd_jax.check_configuration(strict.tx.init(jnp.zeros(N)), tx=strict.tx)
+    with pytest.raises(ValueError, match="no candidate is within tolerance=0.001"):
+        planned(0.001, candidates=CANDIDATES[1:])
+
+
+def test_the_command_prints_the_plan(tmp_path):
+    (tmp_path / "my_job.py").write_text(
+        textwrap.dedent(
+            """
+            import jax.numpy as jnp, optax
+
+            def planner_inputs():
+                return {"loss_fn": lambda p, b: jnp.mean((b @ p) ** 2),
+                        "params": jnp.zeros(4096), "batch": jnp.ones((8, 4096)),
+                        "optimizer": optax.sgd(0.1)}
+            """
+        )
+    )
+    env = {
+        "PYTHONPATH": f"{tmp_path}:{ROOT}",
+        "PJRT_NPROC": "16",
+        "PATH": "/usr/bin:/bin",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "JAX_PLATFORMS": "cpu",
+    }
+    cmd = [sys.executable, "-m", "lsgd_jax.planner", "--setup", "my_job:planner_inputs",
+           "--steps", "300", "--nodes", "2", "--devices-per-node", "4", "--tolerance", "0.05",
+           "--link-mbit", "100", "--latency-ms", "1", "--compute-ms", "10",
+           "--json", str(tmp_path / "plan.json")]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "link: 100.0 Mbit/s, 1.000 ms a collective" in out.stdout
+    assert out.stdout.count("**(chosen)**") == 1
+    bad = subprocess.run([*cmd[:5], "--steps", "3", "--link-mbit", "100"], capture_output=True,
+                         text=True, env=env, timeout=300)  # fmt: skip
+    assert bad.returncode == 2 and "--link-mbit and --latency-ms together" in bad.stderr
+    assert np.isfinite([r["step_s"] for r in __import__("json").loads(
+        (tmp_path / "plan.json").read_text())["rows"]]).all()  # fmt: skip
