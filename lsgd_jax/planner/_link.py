@@ -18,7 +18,9 @@ from jax.sharding import PartitionSpec as P
 from lsgd_jax import report, step
 from lsgd_jax._core import _validate
 
-SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 21)  # float32 values per device
+# float32 values per device: the probe grows by 8x from the smallest until one takes
+# longer than ``max_s`` (so a slow link is probed in seconds, a fast one to 16 MiB)
+SIZES = (1 << 10, 1 << 13, 1 << 16, 1 << 19, 1 << 22)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +82,7 @@ def measure_link(
     node_axis: str = "node",
     sizes: Sequence[int] = SIZES,
     repeats: int = 5,
+    max_s: float = 0.3,
     clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[Link, list[dict[str, Any]]]:
     """Times an all-reduce over ``node_axis`` of each size and fits a :class:`Link`.
@@ -92,8 +95,10 @@ def measure_link(
     Args:
       mesh: the training mesh (its ``node_axis`` spans the nodes).
       node_axis: the mesh axis across nodes.
-      sizes: float32 values per device of each all-reduce.
+      sizes: float32 values per device of each all-reduce, smallest first.
       repeats: timed runs of each size.
+      max_s: the larger sizes are left out once a run takes longer than this (at least
+        two sizes are timed); the processes agree on it.
       clock: a monotonic clock, in seconds.
 
     Returns:
@@ -135,7 +140,18 @@ def measure_link(
             start = clock()
             jax.block_until_ready(compiled(x))
             times.append(clock() - start)
-        rows.append(
-            {"values": int(n), "link_bytes": link_bytes, "seconds": statistics.median(times)}
-        )
+        seconds = statistics.median(times)
+        rows.append({"values": int(n), "link_bytes": link_bytes, "seconds": seconds})
+        if len(rows) >= 2 and _slowest(seconds) > max_s:
+            break
     return fit([r["link_bytes"] for r in rows], [r["seconds"] for r in rows]), rows
+
+
+def _slowest(seconds: float) -> float:
+    """The longest of the processes' ``seconds`` (one agreed value: each process then
+    runs the same collectives)."""
+    if jax.process_count() == 1:
+        return seconds
+    from jax.experimental import multihost_utils
+
+    return float(np.max(multihost_utils.process_allgather(np.float64(seconds))))

@@ -55,6 +55,10 @@ def test_the_probe_times_all_reduces_over_the_node_axis_and_fits_them():
     assert link.bytes_per_s == pytest.approx(rate) and link.latency_s == pytest.approx(latency)
     with pytest.raises(ValueError, match="node_axis='nodes' is not an axis"):
         measure_link(mesh, node_axis="nodes")
+    # a slow link: the sizes stop growing once a run takes longer than max_s
+    slow = iter([0.0, 0.2] * 2 + [0.0, 0.9] * 2 + [0.0, 99.0] * 2).__next__
+    link, rows = measure_link(mesh, sizes=sizes, repeats=2, max_s=0.5, clock=slow)
+    assert [r["values"] for r in rows] == list(sizes[:2])
 
 
 SLOW_LINK = Link(12.5e6, 0.001)  # 100 Mbit/s, 1 ms a collective
