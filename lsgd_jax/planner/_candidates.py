@@ -83,7 +83,7 @@ CANDIDATES: tuple[Candidate, ...] = (
     ),
     Candidate(
         "DiLoCo H=32, 8-bit averages, 4-bit warm-up to 1/3", _post_local(32, 1 / 3, True),
-        0.0075, "lm, seed 0",
+        0.0075, "lm and deep, 3 seeds each",
     ),
     Candidate(
         "plain 8-bit averages H=8, 4-bit warm-up to 1/15", _post_local(8, 1 / 15, False),
