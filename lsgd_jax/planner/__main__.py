@@ -14,8 +14,18 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from collections.abc import Sequence
+
+KEYS = ("loss_fn", "params", "batch", "optimizer")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {text}")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -31,8 +41,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--setup", required=True, help="MODULE:FUNCTION returning the inputs")
     p.add_argument("--steps", type=int, required=True, help="the run's length")
     p.add_argument("--tolerance", type=float, default=0.01, help="quality risk allowed")
-    p.add_argument("--nodes", type=int, default=None)
-    p.add_argument("--devices-per-node", type=int, default=None)
+    p.add_argument("--nodes", type=_positive, default=None)
+    p.add_argument("--devices-per-node", type=_positive, default=None)
     p.add_argument("--link-mbit", type=float, default=None, help="skip the link probe")
     p.add_argument("--latency-ms", type=float, default=None)
     p.add_argument("--compute-ms", type=float, default=None, help="skip the compute probe")
@@ -44,13 +54,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     module_name, _, function = a.setup.partition(":")
     if not function:
         p.error(f"--setup {a.setup!r}: use MODULE:FUNCTION, e.g. my_job:planner_inputs")
+    if a.json and not os.path.isdir(os.path.dirname(os.path.abspath(a.json))):
+        p.error(f"--json {a.json!r}: its folder does not exist")
     import jax
 
     if a.distributed:
         jax.distributed.initialize()
     import lsgd_jax
 
-    inputs = getattr(importlib.import_module(module_name), function)()
+    make = getattr(importlib.import_module(module_name), function, None)
+    inputs = make() if callable(make) else None
+    if not isinstance(inputs, dict) or set(KEYS) - set(inputs):
+        got = sorted(inputs) if isinstance(inputs, dict) else repr(inputs)[:80]
+        p.error(
+            f"--setup {a.setup}: must name a function of no arguments that returns a dict "
+            f"with {', '.join(KEYS)}; got {got}"
+        )
     nodes = a.nodes or jax.process_count()
     per_node = a.devices_per_node or jax.device_count() // nodes
     mesh = lsgd_jax.make_mesh(nodes, per_node)

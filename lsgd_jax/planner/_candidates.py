@@ -10,6 +10,7 @@ from typing import Any
 import optax
 
 from lsgd_jax import averaging, comm, hook
+from lsgd_jax._core import _validate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +36,13 @@ class Candidate:
     make: Callable[[Any, int], Any]
     risk: float | None
     measured: str
+
+    def __post_init__(self) -> None:
+        if not callable(self.make):
+            raise TypeError(f"Candidate {self.name!r}: make must be callable, got {self.make!r}.")
+        if self.risk is not None:
+            risk = _validate.real_number(self.risk, f"Candidate {self.name!r}: risk", "0.01")
+            object.__setattr__(self, "risk", risk)
 
 
 def _switch(num_steps: int, fraction: float) -> int:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 from lsgd_jax import report, step
@@ -51,12 +51,18 @@ class Link:
 
     def seconds(self, link_bytes: float, collectives: int = 1) -> float:
         """The time of ``collectives`` collectives that put ``link_bytes`` on the link."""
+        if link_bytes < 0 or collectives < 0:
+            raise ValueError(
+                f"Link.seconds: link_bytes and collectives count what a step sends, so "
+                f"they are >= 0; got {link_bytes} and {collectives}."
+            )
         return collectives * self.latency_s + link_bytes / self.bytes_per_s
 
 
 def fit(link_bytes: Sequence[float], seconds: Sequence[float]) -> Link:
     """The :class:`Link` whose line ``latency + bytes / bandwidth`` fits the timings
-    (least squares; a latency below 0 reads as 0).
+    (least squares on the relative error, so the small sizes that show the latency
+    count as much as the large ones that show the rate; a latency below 0 reads as 0).
 
     Example:
       >>> from lsgd_jax.planner import fit
@@ -65,9 +71,13 @@ def fit(link_bytes: Sequence[float], seconds: Sequence[float]) -> Link:
       (100000000, 0.001)
     """
     x, y = np.asarray(link_bytes, float), np.asarray(seconds, float)
+    if x.shape != y.shape or x.ndim != 1:
+        raise ValueError(f"fit: one time per size, got {x.shape} sizes and {y.shape} times.")
     if x.size < 2 or np.ptp(x) == 0:
         raise ValueError(f"fit needs two or more different sizes, got link_bytes={list(x)}.")
-    slope, intercept = np.polyfit(x, y, 1)
+    if not (np.isfinite(y).all() and (y > 0).all()):
+        raise ValueError(f"fit: the times must be positive and finite, got {list(y)}.")
+    slope, intercept = np.polyfit(x, y, 1, w=1 / y)
     if slope <= 0:
         raise ValueError(
             "the timings do not grow with the bytes (a link this fast cannot be told from "
@@ -119,7 +129,16 @@ def measure_link(
             f"measure_link: node_axis={node_axis!r} is not an axis of the mesh "
             f"{tuple(mesh.axis_names)}; pass the axis that spans the nodes."
         )
+    if mesh.shape[node_axis] < 2:
+        raise ValueError(
+            f"measure_link: the mesh has one node along {node_axis!r}, so nothing crosses "
+            "nodes and there is no link to measure; plan for the mesh of the real job."
+        )
     repeats = _validate.positive_int(repeats, "measure_link: repeats")
+    sizes = [_validate.positive_int(n, "measure_link: sizes") for n in sizes]
+    max_s = _validate.real_number(max_s, "measure_link: max_s", "0.3")
+    # the probe's shard_map wants Auto axes (jax.make_mesh's default is Explicit)
+    mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
     spec = P(tuple(mesh.axis_names))
     inner = tuple(a for a in mesh.axis_names if a != node_axis)
     node_of = step.mesh_nodes(mesh, inner)

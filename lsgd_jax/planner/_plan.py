@@ -33,8 +33,9 @@ def measure_compute(
     repeats: int = 5,
     clock: Callable[[], float] = time.perf_counter,
 ) -> float:
-    """Seconds of one step's compute: the local phase (local SGD, no gradient mean),
-    compiled once, run once to warm up, then the median of ``repeats`` timed steps.
+    """Seconds of one step's compute: the local phase of post-local SGD (gradients
+    averaged inside each node only, as the candidates' local steps do), compiled once,
+    run once to warm up, then the median of ``repeats`` timed steps.
 
     Example:
       >>> import jax.numpy as jnp, optax, lsgd_jax
@@ -45,7 +46,7 @@ def measure_compute(
       True
     """
     repeats = _validate.positive_int(repeats, "measure_compute: repeats")
-    tx = optax.chain(hook.post_local_sgd(0, post_local_gradient_allreduce=False), optimizer)
+    tx = optax.chain(hook.post_local_sgd(0), optimizer)
     local = step.data_parallel_step(loss_fn, tx, mesh)
     p, s = mesh_room.replicate(params, mesh), mesh_room.replicate(tx.init(params), mesh)
     p, s, _ = local(p, s, batch)
@@ -72,7 +73,8 @@ class Row:
       bytes_ratio: DDP's link bytes over this one's.
       risk: the candidate's quality risk (nats per byte), or None.
       measured: where the risk was measured.
-      phase_step_s: ``{link MB of a step: its predicted seconds}``, one per kind of step.
+      phase_step_s: ``{"<link bytes> B in <n> collectives": predicted seconds}``, one
+        per kind of step.
     """
 
     name: str
@@ -126,6 +128,20 @@ class Plan:
                 f"{r.link_bytes / 1e6:,.1f} | {r.bytes_ratio:.1f} | {risk} |"
             )
         return "\n".join(head)
+
+
+def _checked_candidates(candidates: Any) -> tuple[Candidate, ...]:
+    if isinstance(candidates, Candidate) or not isinstance(candidates, (list, tuple)):
+        raise TypeError(
+            "plan: candidates must be a list or tuple of lsgd_jax.planner.Candidate, got "
+            f"{candidates!r}; e.g. candidates=[*lsgd_jax.planner.CANDIDATES, mine]."
+        )
+    for c in candidates:
+        if not isinstance(c, Candidate):
+            raise TypeError(f"plan: {c!r} is not a lsgd_jax.planner.Candidate.")
+    if not candidates:
+        raise ValueError("plan: candidates is empty; pass at least one Candidate.")
+    return tuple(candidates)
 
 
 def predict(ledger: Any, link: Link, compute_s: float) -> np.ndarray:
@@ -200,26 +216,74 @@ def plan(
     """
     num_steps = _validate.positive_int(num_steps, "plan: num_steps")
     tolerance = _validate.real_number(tolerance, "plan: tolerance", "0.01")
+    candidates = _checked_candidates(candidates)
+    _check_mesh(mesh, node_axis)
     probe: tuple[dict[str, Any], ...] = ()
     if link is None:
         link, timings = measure_link(mesh, node_axis=node_axis)
         probe = tuple(timings)
+    elif not isinstance(link, Link):
+        raise TypeError(
+            f"plan: link must be a lsgd_jax.planner.Link, got {link!r}; e.g. "
+            "link=Link(bytes_per_s=12.5e6, latency_s=0.001) for 100 Mbit/s and 1 ms."
+        )
     if compute_s is None:
         compute_s = measure_compute(loss_fn, params, batch, mesh, optimizer)
+    compute_s = _validate.real_number(compute_s, "plan: compute_s", "0.05")
+    if compute_s < 0:
+        raise ValueError(
+            f"plan: compute_s is one step's compute in seconds, >= 0; got {compute_s}."
+        )
     inner = tuple(a for a in mesh.axis_names if a != node_axis)
-    found = []
-    for candidate in candidates:
+
+    def predicted(candidate: Candidate) -> tuple[Any, float, int, dict[str, float]]:
         tx = candidate.make(optimizer, num_steps)
+        if not isinstance(tx, optax.GradientTransformation):
+            raise TypeError(
+                f"plan: candidate {candidate.name!r}: make(optimizer, num_steps) must return "
+                f"an optax chain, got {tx!r}."
+            )
         built = step.data_parallel_step(loss_fn, tx, mesh)
         p, s = mesh_room.replicate(params, mesh), mesh_room.replicate(tx.init(params), mesh)
         ledger = step.communication_ledger(
             built, p, s, batch, num_steps=num_steps, inner_axes=inner
         )
         seconds = predict(ledger, link, compute_s)
-        per_step = ledger.link_per_step()
-        phases = {f"{b / 1e6:.3f}": float(t) for b, t in zip(per_step, seconds)}
-        found.append((candidate, tx, float(seconds.mean()), int(per_step.sum()), phases))
-    ddp = next((f for f in found if f[0].name == "DDP"), found[0])
+        per_step, counts = ledger.link_per_step(), ledger.collectives("across")
+        phases = {
+            f"{b:,} B in {n} collective{'s' if n != 1 else ''}": float(t)
+            for b, n, t in zip(per_step, counts, seconds)
+        }
+        return tx, float(seconds.mean()), int(per_step.sum()), phases
+
+    found = [(c, *predicted(c)) for c in candidates]
+    # DDP is the reference of the speed and bytes columns, weighed or not
+    ddp = next((f for f in found if f[0].name == "DDP"), None)
+    if ddp is None:
+        ddp = (CANDIDATES[0], *predicted(CANDIDATES[0]))
+    ranked, (chosen, tx) = _ranked(found, ddp, num_steps, tolerance)
+    return Plan(link, compute_s, ranked, chosen, tx, tolerance, probe)
+
+
+def _check_mesh(mesh: Any, node_axis: str) -> None:
+    if not isinstance(mesh, Mesh) or node_axis not in mesh.axis_names:
+        raise ValueError(
+            f"plan: mesh must be a jax Mesh with the node axis {node_axis!r} (e.g. "
+            f"lsgd_jax.make_mesh(nodes, devices_per_node)), got {mesh!r}."
+        )
+    if mesh.shape[node_axis] < 2:
+        raise ValueError(
+            f"plan: the mesh has one node along {node_axis!r}: nothing crosses nodes, so "
+            "there is no link to plan for (DDP is the setup); plan on the real job's mesh."
+        )
+
+
+def _ranked(
+    found: list[tuple[Any, ...]], ddp: tuple[Any, ...], num_steps: int, tolerance: float
+) -> tuple[tuple[Row, ...], tuple[Row, Any]]:
+    """The rows by predicted run time, and the chosen row with its chain: the fastest
+    within the tolerance; of those within ``TIE`` of it (as fast, as far as a prediction
+    can tell), the lowest risk."""
     ranked: list[tuple[Row, Any]] = []
     for candidate, tx, step_s, link_bytes, phases in found:
         ranked.append((Row(
@@ -234,8 +298,5 @@ def plan(
             f"plan: no candidate is within tolerance={tolerance} (their risks: {risks}); "
             "raise the tolerance, or pass candidates= with a setup you trust."
         )
-    # a setup within TIE of the fastest is as fast, as far as a prediction can tell:
-    # then the lower risk
     near = [r for r in allowed if r[0].run_s <= allowed[0][0].run_s * (1 + TIE)]
-    chosen, tx = min(near, key=lambda r: (r[0].risk, r[0].run_s))
-    return Plan(link, compute_s, tuple(r[0] for r in ranked), chosen, tx, tolerance, probe)
+    return tuple(r[0] for r in ranked), min(near, key=lambda r: (r[0].risk, r[0].run_s))

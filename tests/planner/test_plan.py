@@ -142,3 +142,50 @@ def test_the_command_prints_the_plan(tmp_path):
     assert bad.returncode == 2 and "--link-mbit and --latency-ms together" in bad.stderr
     assert np.isfinite([r["step_s"] for r in __import__("json").loads(
         (tmp_path / "plan.json").read_text())["rows"]]).all()  # fmt: skip
+
+
+def test_what_a_user_gets_wrong_is_named_with_the_fix():
+    loss, params, batch = inputs()
+    mesh = mesh_2x4()
+
+    def call(**kw):
+        args = {"num_steps": 10, "link": SLOW_LINK, "compute_s": 0.01, **kw}
+        return plan(loss, params, batch, args.pop("mesh", mesh), optax.sgd(0.1), **args)
+
+    with pytest.raises(TypeError, match="link must be a lsgd_jax.planner.Link"):
+        call(link=(1e7, 1e-3))
+    for bad, error in ((-1.0, ValueError), (float("nan"), ValueError), ("0.01", TypeError)):
+        with pytest.raises(error, match="compute_s"):
+            call(compute_s=bad)
+    with pytest.raises(TypeError, match="list or tuple of lsgd_jax.planner.Candidate"):
+        call(candidates=CANDIDATES[0])
+    odd = lsgd_jax.planner.Candidate("odd", lambda opt, n: None, 0.0, "mine")
+    with pytest.raises(TypeError, match="candidate 'odd'.*must return an optax chain"):
+        call(candidates=[odd])
+    with pytest.raises(ValueError, match="risk"):
+        lsgd_jax.planner.Candidate("nan risk", CANDIDATES[0].make, float("nan"), "mine")
+    with pytest.raises(ValueError, match="one node along 'node'"):
+        call(mesh=lsgd_jax.make_mesh(1, 8))
+    with pytest.raises(ValueError, match="one node along 'node'"):
+        measure_link(lsgd_jax.make_mesh(1, 8))
+    with pytest.raises(ValueError, match="link_bytes and collectives"):
+        SLOW_LINK.seconds(-5e6)
+
+
+def test_without_ddp_among_the_candidates_ddp_is_still_the_reference():
+    found = planned(0.05, candidates=CANDIDATES[1:])
+    with_ddp = {r.name: r for r in planned(0.05).rows}
+    for r in found.rows:
+        assert r.speedup == pytest.approx(with_ddp[r.name].speedup)
+        assert r.bytes_ratio == pytest.approx(with_ddp[r.name].bytes_ratio)
+    # one entry per kind of step: its bytes and collectives name it
+    diloco = with_ddp["DiLoCo H=16, 8-bit averages, 4-bit warm-up to 1/15"]
+    assert len(diloco.phase_step_s) == 3 and all(" B in " in k for k in diloco.phase_step_s)
+
+
+def test_the_probe_takes_an_explicit_mesh():
+    import jax
+
+    mesh = jax.make_mesh((2, 4), ("node", "local"))  # Explicit axes, jax's default
+    link, rows = measure_link(mesh, sizes=(1 << 8, 1 << 12), repeats=1)
+    assert link.bytes_per_s > 0 and [r["link_bytes"] for r in rows] == [8192, 131072]
