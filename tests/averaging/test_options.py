@@ -321,4 +321,4 @@ def test_fragments_with_an_outer_optimizer_is_refused_naming_what_to_use():
     assert "fragments=2 with a plain average (outer_optimizer=None)" in message
     assert "outer_optimizer on the whole model (fragments=1)" in message
     doc = " ".join(lsgd_jax.PeriodicModelAverager.__doc__.split())
-    assert "``fragments`` with an ``outer_optimizer`` is refused" in doc
+    assert "not with an ``outer_optimizer``" in doc

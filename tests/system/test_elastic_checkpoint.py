@@ -175,8 +175,14 @@ def test_a_job_resumes_on_more_processes(folder, job_c):
     for p in (0, 1, 2):
         # Each process's first three steps ran with all three. (Process 1 may run step 12
         # again later, alone, when it restarts from checkpoint 12: see the next test.)
+        # A process killed "at step 13" may die before its record of step 12 is written
+        # (the launcher kills when any process's step 13 starts; seen in CI): the killed
+        # ones (1, 2) need steps 10 and 11 at least.
         first = [r for r in records if r["process"] == p and "step" in r][:3]
-        assert [r["step"] for r in first] == [10, 11, 12], steps_of(records, p)
+        steps = [r["step"] for r in first]
+        assert steps == [10, 11, 12][: len(steps)] and len(steps) >= (3 if p == 0 else 2), steps_of(
+            records, p
+        )
         assert all(sorted(r["live_processes"]) == [0, 1, 2] for r in first), first
     # The first checkpoint this job saved holds three replicas.
     params, counters = restore(folder / "ckpt", 12, 3)
