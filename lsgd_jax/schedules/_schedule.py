@@ -17,6 +17,7 @@ benchmarks and examples use to count averages. The averagers hold one
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -107,15 +108,13 @@ class Schedule(_CounterLimit):
         """The step of the first global average of ``fragment`` (0-based; 0 without
         fragments); until then the replicas' anchors may differ. By default the first
         step at or after the warm-up whose level is global, found by a host replay of
-        at most ``cycle`` (or 10,000) steps."""
+        at most ``cycle`` (or 10,000) steps, once per schedule (every averaging branch
+        of every trace asks)."""
         del fragment
-        last = 0
-        for s in range(self.warmup_steps, self.warmup_steps + (self.cycle or 10_000)):
-            level = self.host_level(s, last)
-            if level and self.is_global(level):
-                return s
-            last = s if level else last
-        return self.warmup_steps
+        try:
+            return _first_global(self)
+        except TypeError:  # a schedule with an unhashable field: no cache
+            return _first_global.__wrapped__(self)
 
     def host_level(self, step: int, last_sync: int | None = None) -> int:
         """``level`` on the host, as a checked Python int (also while JAX traces a step:
@@ -413,3 +412,16 @@ class AdaptiveSchedule(Schedule):
 
 
 _Schedule = Schedule  # its name before it was public
+
+
+@functools.lru_cache(maxsize=256)
+def _first_global(schedule: Schedule) -> int:
+    """:meth:`Schedule.first_global_step`'s host replay (cached: schedules are frozen)."""
+    last = 0
+    start = schedule.warmup_steps
+    for s in range(start, start + (schedule.cycle or 10_000)):
+        level = schedule.host_level(s, last)
+        if level and schedule.is_global(level):
+            return s
+        last = s if level else last
+    return start
