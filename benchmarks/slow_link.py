@@ -398,12 +398,13 @@ def setup(prefix: str = PREFIX, run: Runner = run_cmd, etc: str = "/etc/netns") 
             f.write(f"127.0.0.1 localhost\n{a} {hostname}\n")
 
 
-def set_rate(rate: str, prefix: str = PREFIX, run: Runner = run_cmd) -> None:
-    """Caps each veth end's egress at ``rate`` (tbf): both directions of the link."""
+def set_rate(rate: str, prefix: str = PREFIX, run: Runner = run_cmd, burst: str = "256kb") -> None:
+    """Caps each veth end's egress at ``rate`` (tbf): both directions of the link. Up to
+    ``burst`` bytes pass at once after the link was idle long enough to refill it."""
     for n, v in zip(namespaces(prefix), veths(prefix)):
         checked(
             ["tc", "-n", n, "qdisc", "replace", "dev", v, "root", "tbf", "rate", rate]
-            + ["burst", "256kb", "latency", "100ms"],
+            + ["burst", burst, "latency", "100ms"],
             run,
         )
 

@@ -18,9 +18,10 @@ from jax.sharding import PartitionSpec as P
 from lsgd_jax import report, step
 from lsgd_jax._core import _validate
 
-# float32 values per device: the probe grows by 8x from the smallest until one takes
-# longer than ``max_s`` (so a slow link is probed in seconds, a fast one to 16 MiB)
-SIZES = (1 << 10, 1 << 13, 1 << 16, 1 << 19, 1 << 22)
+# float32 values per device: one value (the latency a small collective such as a loss's
+# mean waits), then from 1,024 by 8x until one takes longer than ``max_s`` (so a slow
+# link is probed in seconds, a fast one to 16 MiB)
+SIZES = (1, 1 << 10, 1 << 13, 1 << 16, 1 << 19, 1 << 22)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +95,7 @@ def measure_link(
     repeats: int = 5,
     max_s: float = 0.3,
     clock: Callable[[], float] = time.perf_counter,
+    axes: Sequence[str] | None = None,
 ) -> tuple[Link, list[dict[str, Any]]]:
     """Times an all-reduce over ``node_axis`` of each size and fits a :class:`Link`.
 
@@ -110,6 +112,9 @@ def measure_link(
       max_s: the larger sizes are left out once a run takes longer than this (at least
         two sizes are timed); the processes agree on it.
       clock: a monotonic clock, in seconds.
+      axes: the all-reduce's mesh axes; None: ``(node_axis,)`` (one device of each node
+        in a group); all of the mesh's: one flat group over every device, as a flat
+        gradient mean.
 
     Returns:
       ``(link, rows)``: the fit, and per size ``{"values", "link_bytes", "seconds"}``.
@@ -137,6 +142,17 @@ def measure_link(
     repeats = _validate.positive_int(repeats, "measure_link: repeats")
     sizes = [_validate.positive_int(n, "measure_link: sizes") for n in sizes]
     max_s = _validate.real_number(max_s, "measure_link: max_s", "0.3")
+    if not max_s > 0:
+        raise ValueError(
+            f"measure_link: max_s is the seconds a probe run may take before the sizes stop "
+            f"growing, > 0; got {max_s}. Use e.g. 0.3."
+        )
+    axes = (node_axis,) if axes is None else tuple(axes)
+    if not axes or not set(axes) <= set(mesh.axis_names) or node_axis not in axes:
+        raise ValueError(
+            f"measure_link: axes={axes!r} must be axes of the mesh {tuple(mesh.axis_names)} "
+            f"that include the node axis {node_axis!r}."
+        )
     # the probe's shard_map wants Auto axes (jax.make_mesh's default is Explicit)
     mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
     spec = P(tuple(mesh.axis_names))
@@ -145,9 +161,7 @@ def measure_link(
     rows = []
     for n in sizes:
         program = jax.jit(
-            jax.shard_map(
-                lambda x: lax.psum(x, node_axis), mesh=mesh, in_specs=spec, out_specs=spec
-            )
+            jax.shard_map(lambda x: lax.psum(x, axes), mesh=mesh, in_specs=spec, out_specs=spec)
         )
         x = jnp.ones((mesh.devices.size * int(n),), jnp.float32)
         compiled = program.lower(x).compile()

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from lsgd_jax import hook, step
+from lsgd_jax import averaging, hook, step
 from lsgd_jax import mesh as mesh_room
 from lsgd_jax._core import _validate
 from lsgd_jax.planner._candidates import CANDIDATES, Candidate
@@ -30,12 +30,13 @@ def measure_compute(
     mesh: Mesh,
     optimizer: Any,
     *,
-    repeats: int = 5,
+    repeats: int = 10,
     clock: Callable[[], float] = time.perf_counter,
 ) -> float:
     """Seconds of one step's compute: the local phase of post-local SGD (gradients
-    averaged inside each node only, as the candidates' local steps do), compiled once,
-    run once to warm up, then the median of ``repeats`` timed steps.
+    averaged inside each node only, as the candidates' local steps do; the loss mean
+    across nodes that every step reports included), compiled once, run once to warm up,
+    then the median of ``repeats`` timed steps.
 
     Example:
       >>> import jax.numpy as jnp, optax, lsgd_jax
@@ -46,9 +47,22 @@ def measure_compute(
       True
     """
     repeats = _validate.positive_int(repeats, "measure_compute: repeats")
+    return _timed(*_local_step(loss_fn, params, batch, mesh, optimizer), batch, repeats, clock)
+
+
+def _local_step(
+    loss_fn: Callable[..., Any], params: Any, batch: Any, mesh: Mesh, optimizer: Any
+) -> tuple[Any, Any, Any]:
+    """The step ``measure_compute`` times (post-local SGD's local phase), and its inputs."""
     tx = optax.chain(hook.post_local_sgd(0), optimizer)
     local = step.data_parallel_step(loss_fn, tx, mesh)
-    p, s = mesh_room.replicate(params, mesh), mesh_room.replicate(tx.init(params), mesh)
+    return local, mesh_room.replicate(params, mesh), mesh_room.replicate(tx.init(params), mesh)
+
+
+def _timed(
+    local: Any, p: Any, s: Any, batch: Any, repeats: int, clock: Callable[[], float]
+) -> float:
+    """The median of ``repeats`` timed calls after one untimed call."""
     p, s, _ = local(p, s, batch)
     jax.block_until_ready(p)
     times = []
@@ -101,6 +115,8 @@ class Plan:
       tx: the chosen chain (the user's optimizer inside).
       tolerance: the quality risk allowed (nats per byte).
       probe: the link probe's timings (empty when the link was given).
+      flat_link: the link as fitted for one all-reduce over every device (None: the
+        link was given, or a node has one device).
     """
 
     link: Link
@@ -110,6 +126,16 @@ class Plan:
     tx: Any
     tolerance: float
     probe: tuple[dict[str, Any], ...] = ()
+    flat_link: Link | None = None
+
+    def choose(self, tolerance: float) -> Row:
+        """The row this plan would choose at another ``tolerance`` (same rule).
+
+        Raises:
+          ValueError: no candidate is within ``tolerance``.
+        """
+        tolerance = _validate.real_number(tolerance, "Plan.choose: tolerance", "0.01")
+        return _choose(self.rows, tolerance)
 
     def __str__(self) -> str:
         rate = self.link.bytes_per_s * 8 / 1e6
@@ -144,9 +170,24 @@ def _checked_candidates(candidates: Any) -> tuple[Candidate, ...]:
     return tuple(candidates)
 
 
-def predict(ledger: Any, link: Link, compute_s: float) -> np.ndarray:
+def predict(
+    ledger: Any,
+    link: Link,
+    compute_s: float,
+    paid_s: float = 0.0,
+    flat_link: Link | None = None,
+) -> np.ndarray:
     """Each step's predicted seconds: compute, then each collective across nodes waits
     the link's latency and its bytes cross at the link's rate (no overlap).
+
+    Args:
+      ledger: the run's ``communication_ledger``.
+      link: the link, as fitted for collectives over the node axis.
+      compute_s: a local step's seconds.
+      paid_s: what ``compute_s`` already spends on the link (a local step's loss mean
+        across nodes, as ``measure_compute`` times it): not charged again.
+      flat_link: the link as fitted for one collective over every device (a flat
+        gradient mean's ring waits the link at more hops); None: ``link``.
 
     Example:
       >>> import jax.numpy as jnp, optax, lsgd_jax
@@ -160,8 +201,19 @@ def predict(ledger: Any, link: Link, compute_s: float) -> np.ndarray:
       >>> predict(ledger, Link(1e6, 0.001), compute_s=0.01).round(4).tolist()
       [0.0146, 0.0146]
     """
-    across = ledger.collectives("across")
-    return compute_s + across * link.latency_s + ledger.link_per_step() / link.bytes_per_s
+    seconds = {k: _link_seconds(phase, link, flat_link) for k, phase in ledger.phases.items()}
+    return np.array([compute_s - paid_s + seconds[k] for k in ledger.steps])
+
+
+def _link_seconds(phase: Any, link: Link, flat_link: Link | None = None) -> float:
+    """The seconds one step of ``phase`` (a ledger's ``PhaseBytes``) spends on the link:
+    each collective across nodes, its latency and its bytes at the link's rate (a
+    collective of one group over every device at ``flat_link``'s)."""
+    total = 0.0
+    for collective, link_bytes in phase.crossing:
+        flat = flat_link is not None and collective.num_groups == 1
+        total += (flat_link if flat else link).seconds(link_bytes)
+    return total
 
 
 def plan(
@@ -177,6 +229,7 @@ def plan(
     compute_s: float | None = None,
     candidates: Sequence[Candidate] = CANDIDATES,
     node_axis: str = "node",
+    flat_link: Link | None = None,
 ) -> Plan:
     """The setup for this link: measures it (and one step's compute) unless given,
     predicts every candidate's step time from the bytes of its compiled programs, and
@@ -193,9 +246,12 @@ def plan(
       tolerance: the largest quality risk allowed, nats per byte of final loss against
         a tuned DDP (the candidates' ``risk``, from docs/lm.md).
       link: a ``lsgd_jax.planner.Link`` to use instead of measuring one.
-      compute_s: one step's compute to use instead of measuring it.
+      compute_s: one local step's seconds to use instead of measuring it (as
+        ``measure_compute`` times it: its loss mean across nodes included).
       candidates: the setups to weigh (default ``CANDIDATES``).
       node_axis: the mesh axis across nodes.
+      flat_link: with ``link``: the link as one all-reduce over every device sees it
+        (measured with the link; None: ``link``).
 
     Returns:
       A ``lsgd_jax.planner.Plan``; ``print(plan)`` shows the table, ``plan.tx`` is the chosen chain.
@@ -217,24 +273,39 @@ def plan(
     num_steps = _validate.positive_int(num_steps, "plan: num_steps")
     tolerance = _validate.real_number(tolerance, "plan: tolerance", "0.01")
     candidates = _checked_candidates(candidates)
-    _check_mesh(mesh, node_axis)
+    _check_mesh(mesh, node_axis, candidates)
+    _check_inner_optimizer(optimizer, params)
     probe: tuple[dict[str, Any], ...] = ()
+    if flat_link is not None and (link is None or not isinstance(flat_link, Link)):
+        raise TypeError(
+            f"plan: flat_link must be a lsgd_jax.planner.Link given with link=, got "
+            f"flat_link={flat_link!r} and link={link!r}."
+        )
     if link is None:
         link, timings = measure_link(mesh, node_axis=node_axis)
         probe = tuple(timings)
+        if mesh.devices.size > mesh.shape[node_axis]:  # a flat ring also hops inside nodes
+            flat_link, timings = measure_link(
+                mesh, node_axis=node_axis, axes=tuple(mesh.axis_names)
+            )
+            probe += tuple(timings)
     elif not isinstance(link, Link):
         raise TypeError(
             f"plan: link must be a lsgd_jax.planner.Link, got {link!r}; e.g. "
             "link=Link(bytes_per_s=12.5e6, latency_s=0.001) for 100 Mbit/s and 1 ms."
         )
+    inner = tuple(a for a in mesh.axis_names if a != node_axis)
+    local, p, s = _local_step(loss_fn, params, batch, mesh, optimizer)
     if compute_s is None:
-        compute_s = measure_compute(loss_fn, params, batch, mesh, optimizer)
+        compute_s = _timed(local, p, s, batch, 10, time.perf_counter)
     compute_s = _validate.real_number(compute_s, "plan: compute_s", "0.05")
     if compute_s < 0:
         raise ValueError(
             f"plan: compute_s is one step's compute in seconds, >= 0; got {compute_s}."
         )
-    inner = tuple(a for a in mesh.axis_names if a != node_axis)
+    # a local step's own collectives across nodes (its loss mean) are in compute_s
+    own = step.communication_ledger(local, p, s, batch, num_steps=1, inner_axes=inner)
+    paid_s = _link_seconds(own.phases[own.steps[0]], link, flat_link)
 
     def predicted(candidate: Candidate) -> tuple[Any, float, int, dict[str, float]]:
         tx = candidate.make(optimizer, num_steps)
@@ -248,7 +319,7 @@ def plan(
         ledger = step.communication_ledger(
             built, p, s, batch, num_steps=num_steps, inner_axes=inner
         )
-        seconds = predict(ledger, link, compute_s)
+        seconds = predict(ledger, link, compute_s, paid_s, flat_link)
         per_step, counts = ledger.link_per_step(), ledger.collectives("across")
         phases = {
             f"{b:,} B in {n} collective{'s' if n != 1 else ''}": float(t)
@@ -262,19 +333,46 @@ def plan(
     if ddp is None:
         ddp = (CANDIDATES[0], *predicted(CANDIDATES[0]))
     ranked, (chosen, tx) = _ranked(found, ddp, num_steps, tolerance)
-    return Plan(link, compute_s, ranked, chosen, tx, tolerance, probe)
+    return Plan(link, compute_s, ranked, chosen, tx, tolerance, probe, flat_link)
 
 
-def _check_mesh(mesh: Any, node_axis: str) -> None:
+def _check_mesh(mesh: Any, node_axis: str, candidates: tuple[Candidate, ...]) -> None:
     if not isinstance(mesh, Mesh) or node_axis not in mesh.axis_names:
         raise ValueError(
             f"plan: mesh must be a jax Mesh with the node axis {node_axis!r} (e.g. "
             f"lsgd_jax.make_mesh(nodes, devices_per_node)), got {mesh!r}."
         )
+    inner = tuple(a for a in mesh.axis_names if a != node_axis)
+    if inner != hook.DEFAULT_SUBGROUP and any(c in CANDIDATES for c in candidates):
+        raise ValueError(
+            f"plan: the built-in candidates average inside a node over the mesh axis "
+            f"{hook.DEFAULT_SUBGROUP[0]!r}, but this mesh's axes besides {node_axis!r} are "
+            f"{inner}; name them {tuple(mesh.axis_names)} -> ({node_axis!r}, 'local') "
+            "(lsgd_jax.make_mesh does), or pass candidates= whose chains name your axes."
+        )
     if mesh.shape[node_axis] < 2:
         raise ValueError(
             f"plan: the mesh has one node along {node_axis!r}: nothing crosses nodes, so "
             "there is no link to plan for (DDP is the setup); plan on the real job's mesh."
+        )
+
+
+def _check_inner_optimizer(optimizer: Any, params: Any) -> None:
+    """The candidates wrap the user's optimizer: one that already averages is refused."""
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise TypeError(
+            f"plan: optimizer must be an optax GradientTransformation (e.g. "
+            f"optax.adamw(1e-3)), got {optimizer!r}."
+        )
+    ours = (hook.PostLocalSGDState, averaging.ModelAveragerState)
+    nodes = jax.tree_util.tree_leaves(
+        jax.eval_shape(optimizer.init, params), is_leaf=lambda x: isinstance(x, ours)
+    )
+    if any(isinstance(x, ours) for x in nodes):
+        raise ValueError(
+            "plan: optimizer already holds post_local_sgd or a model averager; pass the "
+            "inner optimizer alone (e.g. optax.adamw(1e-3)): each candidate builds its "
+            "chain around it."
         )
 
 
@@ -291,12 +389,20 @@ def _ranked(
             ddp[3] / max(link_bytes, 1), candidate.risk, candidate.measured, phases,
         ), tx))  # fmt: skip
     ranked.sort(key=lambda r: r[0].run_s)
-    allowed = [r for r in ranked if r[0].risk is not None and r[0].risk <= tolerance]
+    rows = tuple(r[0] for r in ranked)
+    chosen = _choose(rows, tolerance)
+    return rows, next(r for r in ranked if r[0] is chosen)
+
+
+def _choose(rows: Sequence[Row], tolerance: float) -> Row:
+    """Of ``rows`` (fastest first), the fastest within the tolerance; of those within
+    ``TIE`` of it (as fast, as far as a prediction can tell), the lowest risk."""
+    allowed = [r for r in rows if r.risk is not None and r.risk <= tolerance]
     if not allowed:
-        risks = {r[0].name: r[0].risk for r in ranked}
+        risks = {r.name: r.risk for r in rows}
         raise ValueError(
             f"plan: no candidate is within tolerance={tolerance} (their risks: {risks}); "
             "raise the tolerance, or pass candidates= with a setup you trust."
         )
-    near = [r for r in allowed if r[0].run_s <= allowed[0][0].run_s * (1 + TIE)]
-    return tuple(r[0] for r in ranked), min(near, key=lambda r: (r[0].risk, r[0].run_s))
+    near = [r for r in allowed if r.run_s <= allowed[0].run_s * (1 + TIE)]
+    return min(near, key=lambda r: (r.risk, r.run_s))

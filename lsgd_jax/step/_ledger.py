@@ -125,6 +125,7 @@ class PhaseBytes:
       inside_count: how many stay inside a node.
       link: bytes on the links between nodes, every device together
         (``link_bytes`` in this module): what a node's network interfaces carry, less framing.
+      crossing: ``(collective, its link bytes)`` for each collective that spans nodes.
     """
 
     report: CommunicationReport
@@ -135,6 +136,7 @@ class PhaseBytes:
     across_count: int = 0
     inside_count: int = 0
     link: int = 0
+    crossing: tuple[tuple[Any, int], ...] = ()
 
     @classmethod
     def of(
@@ -150,6 +152,7 @@ class PhaseBytes:
         it ``link`` counts every crossing collective's wire bytes on every device."""
         report = CommunicationReport(c for c in report if "common_anchor" not in c.scope)
         cross = [crosses_nodes(c, inner_axes) for c in report]
+        crossing = tuple((c, link_bytes(c, node_of)) for c, x in zip(report, cross) if x)
         return cls(
             report,
             sum(c.bytes for c, x in zip(report, cross) if x),
@@ -158,7 +161,8 @@ class PhaseBytes:
             sum(c.wire_bytes for c, x in zip(report, cross) if not x),
             sum(cross),
             len(cross) - sum(cross),
-            sum(link_bytes(c, node_of) for c, x in zip(report, cross) if x),
+            sum(b for _, b in crossing),
+            crossing,
         )
 
 

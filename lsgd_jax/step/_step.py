@@ -266,9 +266,13 @@ class DataParallelStep:
 
     def plan_of(self, *args: Any, num_steps: int) -> list[int | str]:
         """The program (phase index, or ``"switch"`` / ``"cond"``) each of the next
-        ``num_steps`` calls from these arguments runs, replayed from the step counters."""
+        ``num_steps`` calls from these arguments runs, replayed from the step counters.
+        The arguments are checked as a call checks them (so ``compile`` and the ledger
+        refuse a batch the step would refuse)."""
         num_steps = _validate.positive_int(num_steps, "num_steps")
-        return self._plan.replay(self.jit_args(*args)[2], num_steps)
+        jit_args = self.jit_args(*args)
+        self._inputs.check(*jit_args)
+        return self._plan.replay(jit_args[2], num_steps)
 
     def programs_of(self, *args: Any, num_steps: int) -> list[tuple[int | str, Any]]:
         """``(program, jax.stages.Compiled)`` for each program of the next ``num_steps``

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -55,6 +56,13 @@ def test_the_probe_times_all_reduces_over_the_node_axis_and_fits_them():
     assert link.bytes_per_s == pytest.approx(rate) and link.latency_s == pytest.approx(latency)
     with pytest.raises(ValueError, match="node_axis='nodes' is not an axis"):
         measure_link(mesh, node_axis="nodes")
+    # one flat all-reduce over all 8 devices: its ring crosses the 2 nodes at 2 hops,
+    # each carrying 2 * 7/8 of the 4-byte values
+    clock = iter([0.0, 0.01, 0.0, 0.02] * 3).__next__
+    _, flat = measure_link(mesh, sizes=sizes[:2], repeats=1, clock=clock, axes=("node", "local"))
+    assert [r["link_bytes"] for r in flat] == [2 * 2 * 7 / 8 * 4 * n for n in sizes[:2]]
+    with pytest.raises(ValueError, match="include the node axis 'node'"):
+        measure_link(mesh, axes=("local",))
     # a slow link: the sizes stop growing once a run takes longer than max_s
     slow = iter([0.0, 0.2] * 2 + [0.0, 0.9] * 2 + [0.0, 99.0] * 2).__next__
     link, rows = measure_link(mesh, sizes=sizes, repeats=2, max_s=0.5, clock=slow)
@@ -78,7 +86,22 @@ def test_each_step_is_predicted_from_the_bytes_of_its_program():
     # a ring over 8 devices in 2 nodes, whose 2 node-crossing hops carry 2 * 7/8 * 16 KiB
     grads = 2 * 2 * 7 / 8 * 4 * N
     assert ddp.link_bytes / 300 == pytest.approx(grads, rel=0.01)
-    assert ddp.step_s == pytest.approx(0.01 + 0.001 + grads / 12.5e6, rel=0.01)
+    # compute_s is a local step's, its loss mean across nodes (one collective) included;
+    # DDP's one collective across carries that loss mean too: only its bytes are added
+    assert ddp.step_s == pytest.approx(0.01 + grads / 12.5e6, rel=0.01)
+    # a 4-bit two-level mean crosses in three collectives: two more latencies than paid
+    four = rows["DDP, 4-bit two-level gradient means"]
+    assert four.step_s == pytest.approx(0.01 + 2 * 0.001 + four.link_bytes / 300 / 12.5e6, rel=0.01)
+    # a flat all-reduce over every device (DDP's) crosses at the flat link's rate; the
+    # 4-bit mean's all-gathers over the node axis at the node link's
+    flat = planned(0.05, flat_link=Link(6.25e6, 0.01))
+    with_flat = {r.name: r for r in flat.rows}
+    assert with_flat["DDP"].step_s == pytest.approx(0.01 + grads / 6.25e6, rel=0.01)
+    assert with_flat["DDP, 4-bit two-level gradient means"].step_s == pytest.approx(
+        four.step_s, rel=0.01
+    )
+    with pytest.raises(TypeError, match="flat_link must be a lsgd_jax.planner.Link"):
+        planned(0.05, link=None, flat_link=Link(6.25e6, 0.01))
     # the ranking is by predicted run time; speed and bytes against DDP
     assert [r.run_s for r in found.rows] == sorted(r.run_s for r in found.rows)
     for r in found.rows:
@@ -100,6 +123,11 @@ def test_the_fastest_within_the_tolerance_is_chosen_with_its_chain():
     faster_but_risky = [r for r in strict.rows if r.run_s < strict.chosen.run_s]
     assert all(r.risk > 0.01 for r in faster_but_risky)
     assert planned(0.0).chosen.name == "DDP"
+    # the same plan answers for another tolerance by the same rule
+    assert slow.choose(0.01) == strict.chosen and strict.choose(0.05) == slow.chosen
+    assert slow.choose(0.0).name == "DDP"
+    with pytest.raises(ValueError, match="no candidate is within tolerance=-1"):
+        slow.choose(-1)
     # on a link that costs nothing every setup takes the compute's time: the lowest risk
     assert planned(0.05, link=Link(1e12, 0.0), compute_s=0.01).chosen.name == "DDP"
     # the chain is ready: the chosen setup's, around the user's optimizer
@@ -150,7 +178,8 @@ def test_what_a_user_gets_wrong_is_named_with_the_fix():
 
     def call(**kw):
         args = {"num_steps": 10, "link": SLOW_LINK, "compute_s": 0.01, **kw}
-        return plan(loss, params, batch, args.pop("mesh", mesh), optax.sgd(0.1), **args)
+        where = args.pop("mesh", mesh), args.pop("optimizer", optax.sgd(0.1))
+        return plan(loss, params, args.pop("batch", batch), *where, **args)
 
     with pytest.raises(TypeError, match="link must be a lsgd_jax.planner.Link"):
         call(link=(1e7, 1e-3))
@@ -170,6 +199,20 @@ def test_what_a_user_gets_wrong_is_named_with_the_fix():
         measure_link(lsgd_jax.make_mesh(1, 8))
     with pytest.raises(ValueError, match="link_bytes and collectives"):
         SLOW_LINK.seconds(-5e6)
+    with pytest.raises(ValueError, match="max_s .* > 0; got -1"):
+        measure_link(mesh, max_s=-1)
+    # the candidates wrap the inner optimizer: a chain that already averages is named
+    with pytest.raises(ValueError, match="pass the inner optimizer alone"):
+        call(optimizer=optax.chain(lsgd_jax.post_local_sgd(5), optax.sgd(0.1)))
+    with pytest.raises(TypeError, match="optimizer must be an optax GradientTransformation"):
+        call(optimizer=optax.sgd)
+    # the built-in candidates average over 'local'
+    other = jax.sharding.Mesh(mesh.devices, ("dcn", "ici"))
+    with pytest.raises(ValueError, match=r"\('dcn', 'local'\)"):
+        call(mesh=other, node_axis="dcn")
+    # a batch the step would refuse is refused before anything is compiled
+    with pytest.raises(ValueError, match="divide by the 8 replicas"):
+        call(batch=batch[:6])
 
 
 def test_without_ddp_among_the_candidates_ddp_is_still_the_reference():
