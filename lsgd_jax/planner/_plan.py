@@ -211,8 +211,8 @@ def _link_seconds(phase: Any, link: Link, flat_link: Link | None = None) -> floa
     collective of one group over every device at ``flat_link``'s)."""
     total = 0.0
     for collective, link_bytes in phase.crossing:
-        flat = flat_link is not None and collective.num_groups == 1
-        total += (flat_link if flat else link).seconds(link_bytes)
+        flat = flat_link if flat_link is not None and collective.num_groups == 1 else None
+        total += (flat or link).seconds(link_bytes)
     return total
 
 
@@ -275,25 +275,7 @@ def plan(
     candidates = _checked_candidates(candidates)
     _check_mesh(mesh, node_axis, candidates)
     _check_inner_optimizer(optimizer, params)
-    probe: tuple[dict[str, Any], ...] = ()
-    if flat_link is not None and (link is None or not isinstance(flat_link, Link)):
-        raise TypeError(
-            f"plan: flat_link must be a lsgd_jax.planner.Link given with link=, got "
-            f"flat_link={flat_link!r} and link={link!r}."
-        )
-    if link is None:
-        link, timings = measure_link(mesh, node_axis=node_axis)
-        probe = tuple(timings)
-        if mesh.devices.size > mesh.shape[node_axis]:  # a flat ring also hops inside nodes
-            flat_link, timings = measure_link(
-                mesh, node_axis=node_axis, axes=tuple(mesh.axis_names)
-            )
-            probe += tuple(timings)
-    elif not isinstance(link, Link):
-        raise TypeError(
-            f"plan: link must be a lsgd_jax.planner.Link, got {link!r}; e.g. "
-            "link=Link(bytes_per_s=12.5e6, latency_s=0.001) for 100 Mbit/s and 1 ms."
-        )
+    link, flat_link, probe = _links(mesh, node_axis, link, flat_link)
     inner = tuple(a for a in mesh.axis_names if a != node_axis)
     local, p, s = _local_step(loss_fn, params, batch, mesh, optimizer)
     if compute_s is None:
@@ -334,6 +316,29 @@ def plan(
         ddp = (CANDIDATES[0], *predicted(CANDIDATES[0]))
     ranked, (chosen, tx) = _ranked(found, ddp, num_steps, tolerance)
     return Plan(link, compute_s, ranked, chosen, tx, tolerance, probe, flat_link)
+
+
+def _links(
+    mesh: Mesh, node_axis: str, link: Any, flat_link: Any
+) -> tuple[Link, Link | None, tuple[dict[str, Any], ...]]:
+    """``(link, flat_link, probe timings)``: as given, or measured."""
+    if flat_link is not None and (link is None or not isinstance(flat_link, Link)):
+        raise TypeError(
+            f"plan: flat_link must be a lsgd_jax.planner.Link given with link=, got "
+            f"flat_link={flat_link!r} and link={link!r}."
+        )
+    if link is not None:
+        if not isinstance(link, Link):
+            raise TypeError(
+                f"plan: link must be a lsgd_jax.planner.Link, got {link!r}; e.g. "
+                "link=Link(bytes_per_s=12.5e6, latency_s=0.001) for 100 Mbit/s and 1 ms."
+            )
+        return link, flat_link, ()
+    link, timings = measure_link(mesh, node_axis=node_axis)
+    if mesh.devices.size == mesh.shape[node_axis]:  # one device a node: no flat ring
+        return link, None, tuple(timings)
+    flat_link, flat = measure_link(mesh, node_axis=node_axis, axes=tuple(mesh.axis_names))
+    return link, flat_link, tuple(timings) + tuple(flat)
 
 
 def _check_mesh(mesh: Any, node_axis: str, candidates: tuple[Candidate, ...]) -> None:
