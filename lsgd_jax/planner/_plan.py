@@ -109,7 +109,7 @@ class Plan:
 
     Attributes:
       link: the :class:`Link`.
-      compute_s: one step's compute, seconds.
+      compute_s: one step's seconds without its communication across nodes.
       rows: the candidates, fastest first.
       chosen: the fastest row within the tolerance.
       tx: the chosen chain (the user's optimizer inside).
@@ -170,22 +170,14 @@ def _checked_candidates(candidates: Any) -> tuple[Candidate, ...]:
     return tuple(candidates)
 
 
-def predict(
-    ledger: Any,
-    link: Link,
-    compute_s: float,
-    paid_s: float = 0.0,
-    flat_link: Link | None = None,
-) -> np.ndarray:
+def predict(ledger: Any, link: Link, compute_s: float, flat_link: Link | None = None) -> np.ndarray:
     """Each step's predicted seconds: compute, then each collective across nodes waits
     the link's latency and its bytes cross at the link's rate (no overlap).
 
     Args:
       ledger: the run's ``communication_ledger``.
       link: the link, as fitted for collectives over the node axis.
-      compute_s: a local step's seconds.
-      paid_s: what ``compute_s`` already spends on the link (a local step's loss mean
-        across nodes, as ``measure_compute`` times it): not charged again.
+      compute_s: a step's seconds without what it spends across nodes.
       flat_link: the link as fitted for one collective over every device (a flat
         gradient mean's ring waits the link at more hops); None: ``link``.
 
@@ -202,7 +194,7 @@ def predict(
       [0.0146, 0.0146]
     """
     seconds = {k: _link_seconds(phase, link, flat_link) for k, phase in ledger.phases.items()}
-    return np.array([compute_s - paid_s + seconds[k] for k in ledger.steps])
+    return np.array([compute_s + seconds[k] for k in ledger.steps])
 
 
 def _link_seconds(phase: Any, link: Link, flat_link: Link | None = None) -> float:
@@ -246,8 +238,9 @@ def plan(
       tolerance: the largest quality risk allowed, nats per byte of final loss against
         a tuned DDP (the candidates' ``risk``, from docs/lm.md).
       link: a ``lsgd_jax.planner.Link`` to use instead of measuring one.
-      compute_s: one local step's seconds to use instead of measuring it (as
-        ``measure_compute`` times it: its loss mean across nodes included).
+      compute_s: one step's seconds without its communication across nodes, to use
+        instead of measuring it (measured: ``measure_compute``'s local step less the
+        predicted time of its loss mean across nodes).
       candidates: the setups to weigh (default ``CANDIDATES``).
       node_axis: the mesh axis across nodes.
       flat_link: with ``link``: the link as one all-reduce over every device sees it
@@ -277,17 +270,17 @@ def plan(
     _check_inner_optimizer(optimizer, params)
     link, flat_link, probe = _links(mesh, node_axis, link, flat_link)
     inner = tuple(a for a in mesh.axis_names if a != node_axis)
-    local, p, s = _local_step(loss_fn, params, batch, mesh, optimizer)
     if compute_s is None:
-        compute_s = _timed(local, p, s, batch, 10, time.perf_counter)
+        # a local step, less what its loss mean across nodes waits on the link
+        local, p, s = _local_step(loss_fn, params, batch, mesh, optimizer)
+        own = step.communication_ledger(local, p, s, batch, num_steps=1, inner_axes=inner)
+        paid = _link_seconds(own.phases[own.steps[0]], link, flat_link)
+        compute_s = max(_timed(local, p, s, batch, 10, time.perf_counter) - paid, 0.0)
     compute_s = _validate.real_number(compute_s, "plan: compute_s", "0.05")
     if compute_s < 0:
         raise ValueError(
             f"plan: compute_s is one step's compute in seconds, >= 0; got {compute_s}."
         )
-    # a local step's own collectives across nodes (its loss mean) are in compute_s
-    own = step.communication_ledger(local, p, s, batch, num_steps=1, inner_axes=inner)
-    paid_s = _link_seconds(own.phases[own.steps[0]], link, flat_link)
 
     def predicted(candidate: Candidate) -> tuple[Any, float, int, dict[str, float]]:
         tx = candidate.make(optimizer, num_steps)
@@ -301,7 +294,7 @@ def plan(
         ledger = step.communication_ledger(
             built, p, s, batch, num_steps=num_steps, inner_axes=inner
         )
-        seconds = predict(ledger, link, compute_s, paid_s, flat_link)
+        seconds = predict(ledger, link, compute_s, flat_link)
         per_step, counts = ledger.link_per_step(), ledger.collectives("across")
         phases = {
             f"{b:,} B in {n} collective{'s' if n != 1 else ''}": float(t)

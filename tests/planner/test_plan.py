@@ -86,19 +86,18 @@ def test_each_step_is_predicted_from_the_bytes_of_its_program():
     # a ring over 8 devices in 2 nodes, whose 2 node-crossing hops carry 2 * 7/8 * 16 KiB
     grads = 2 * 2 * 7 / 8 * 4 * N
     assert ddp.link_bytes / 300 == pytest.approx(grads, rel=0.01)
-    # compute_s is a local step's, its loss mean across nodes (one collective) included;
-    # DDP's one collective across carries that loss mean too: only its bytes are added
-    assert ddp.step_s == pytest.approx(0.01 + grads / 12.5e6, rel=0.01)
-    # a 4-bit two-level mean crosses in three collectives: two more latencies than paid
+    # compute_s is a step without the link; each collective across nodes adds a latency
+    # and its bytes: DDP's one (the loss mean rides in it), the 4-bit mean's three
+    assert ddp.step_s == pytest.approx(0.01 + 0.001 + grads / 12.5e6, rel=0.01)
     four = rows["DDP, 4-bit two-level gradient means"]
-    assert four.step_s == pytest.approx(0.01 + 2 * 0.001 + four.link_bytes / 300 / 12.5e6, rel=0.01)
-    # a flat all-reduce over every device (DDP's) crosses at the flat link's rate; the
-    # 4-bit mean's all-gathers over the node axis at the node link's
+    assert four.step_s == pytest.approx(0.01 + 3 * 0.001 + four.link_bytes / 300 / 12.5e6, rel=0.01)
+    # a flat all-reduce over every device (DDP's; the loss mean) goes at the flat link's
+    # latency and rate, the 4-bit mean's all-gathers over the node axis at the node link's
     flat = planned(0.05, flat_link=Link(6.25e6, 0.01))
     with_flat = {r.name: r for r in flat.rows}
-    assert with_flat["DDP"].step_s == pytest.approx(0.01 + grads / 6.25e6, rel=0.01)
+    assert with_flat["DDP"].step_s == pytest.approx(0.01 + 0.01 + grads / 6.25e6, rel=0.01)
     assert with_flat["DDP, 4-bit two-level gradient means"].step_s == pytest.approx(
-        four.step_s, rel=0.01
+        0.01 + 0.01 + 2 * 0.001 + four.link_bytes / 300 / 12.5e6, rel=0.01
     )
     with pytest.raises(TypeError, match="flat_link must be a lsgd_jax.planner.Link"):
         planned(0.05, link=None, flat_link=Link(6.25e6, 0.01))
@@ -234,3 +233,17 @@ def test_the_probe_takes_an_explicit_mesh():
     clock = iter([0.0, 1e-3, 0.0, 1e-2]).__next__
     link, rows = measure_link(mesh, sizes=(1 << 8, 1 << 12), repeats=1, clock=clock)
     assert link.bytes_per_s > 0 and [r["link_bytes"] for r in rows] == [8192, 131072]
+
+
+def test_the_measured_compute_leaves_out_the_loss_mean_across_nodes(monkeypatch):
+    """A local step (timed at 50 ms here) averages its loss across nodes in one flat
+    collective: the compute is the step less that collective's predicted time."""
+    import lsgd_jax.planner._plan as plan_module
+
+    monkeypatch.setattr(plan_module, "_timed", lambda *args: 0.05)
+    loss, params, batch = inputs()
+    found = plan(loss, params, batch, mesh_2x4(), optax.sgd(0.1), num_steps=30,
+                 link=Link(1e12, 0.001), flat_link=Link(1e12, 0.004))  # fmt: skip
+    assert found.compute_s == pytest.approx(0.05 - 0.004, abs=1e-9)
+    ddp = next(r for r in found.rows if r.name == "DDP")  # one flat collective a step
+    assert ddp.step_s == pytest.approx(0.05, abs=1e-6)
