@@ -86,7 +86,8 @@ def worker(args) -> None:
     say = (lambda msg: print(sl.MARK + msg, flush=True)) if jax.process_index() == 0 else print
     start = time.perf_counter()
     link, probe = lsgd_jax.planner.measure_link(mesh)  # what plan() measures, timed apart
-    flat, flat_probe = lsgd_jax.planner.measure_link(mesh, axes=mesh.axis_names)
+    flat, flat_probe = lsgd_jax.planner.measure_link(mesh, axes=mesh.axis_names, sizes=(1,),
+                                                     like=params)  # fmt: skip
     link_s = time.perf_counter() - start
     found = lsgd_jax.plan(loss_fn, params, batch(0), mesh, optimizer, num_steps=args.steps,
                           tolerance=1.0, link=link, flat_link=flat)  # fmt: skip

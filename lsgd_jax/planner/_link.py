@@ -22,6 +22,7 @@ from lsgd_jax._core import _validate
 # mean waits), then from 1,024 by 8x until one takes longer than ``max_s`` (so a slow
 # link is probed in seconds, a fast one to 16 MiB)
 SIZES = (1, 1 << 10, 1 << 13, 1 << 16, 1 << 19, 1 << 22)
+_TREE_S = 10.0  # about the seconds the timed runs of a ``like`` tree may take
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +97,7 @@ def measure_link(
     max_s: float = 0.3,
     clock: Callable[[], float] = time.perf_counter,
     axes: Sequence[str] | None = None,
+    like: Any = None,
 ) -> tuple[Link, list[dict[str, Any]]]:
     """Times an all-reduce over ``node_axis`` of each size and fits a :class:`Link`.
 
@@ -115,6 +117,9 @@ def measure_link(
       axes: the all-reduce's mesh axes; None: ``(node_axis,)`` (one device of each node
         in a group); all of the mesh's: one flat group over every device, as a flat
         gradient mean.
+      like: a tree (the model's params): also time one all-reduce of arrays of its
+        leaves' sizes together, as a gradient mean sends them (several operands may
+        each wait the link; timed fewer times when it takes seconds).
 
     Returns:
       ``(link, rows)``: the fit, and per size ``{"values", "link_bytes", "seconds"}``.
@@ -158,26 +163,52 @@ def measure_link(
     spec = P(tuple(mesh.axis_names))
     inner = tuple(a for a in mesh.axis_names if a != node_axis)
     node_of = step.mesh_nodes(mesh, inner)
-    rows = []
-    for n in sizes:
+
+    def timed(values: list[int], repeats: int, tree: bool = False) -> dict[str, Any]:
+        """An all-reduce of one array of each of ``values`` floats a device, timed."""
         program = jax.jit(
             jax.shard_map(lambda x: lax.psum(x, axes), mesh=mesh, in_specs=spec, out_specs=spec)
         )
-        x = jnp.ones((mesh.devices.size * int(n),), jnp.float32)
+        x = [jnp.ones((mesh.devices.size * n,), jnp.float32) for n in values]
         compiled = program.lower(x).compile()
         collectives = report.communication_report(program, x, mesh=mesh)
         link_bytes = sum(step.link_bytes(c, node_of) for c in collectives)
-        jax.block_until_ready(compiled(x))
+        if not tree:
+            jax.block_until_ready(compiled(x))
+        else:  # a tree whose all-reduce is slow (a large model, a slow link) is timed less
+            start = clock()
+            jax.block_until_ready(compiled(x))
+            warm = _slowest(clock() - start)
+            repeats = min(repeats, max(1, int(_TREE_S / max(warm, 1e-9))))
         times = []
         for _ in range(repeats):
             start = clock()
             jax.block_until_ready(compiled(x))
             times.append(clock() - start)
         seconds = statistics.median(times)
-        rows.append({"values": int(n), "link_bytes": link_bytes, "seconds": seconds})
-        if len(rows) >= 2 and _slowest(seconds) > max_s:
+        return {"values": sum(values), "link_bytes": link_bytes, "seconds": seconds}
+
+    tree = None if like is None else _float_sizes(like)
+    rows: list[dict[str, Any]] = []
+    for n in sizes:
+        rows.append(timed([int(n)], repeats))
+        if len(rows) >= 2 and _slowest(rows[-1]["seconds"]) > max_s:
             break
+    if tree is not None:
+        rows.append(timed(tree, repeats, tree=True))
+        rows.sort(key=lambda r: r["link_bytes"])
     return fit([r["link_bytes"] for r in rows], [r["seconds"] for r in rows]), rows
+
+
+def _float_sizes(like: Any) -> list[int]:
+    """The sizes of ``like``'s leaves, every one of them as float32 values."""
+    sizes = [int(np.size(leaf)) for leaf in jax.tree_util.tree_leaves(like)]
+    if not sizes or min(sizes) < 1:
+        raise ValueError(
+            "measure_link: like= must be a tree of arrays with at least one value each "
+            f"(the model's params), got leaves of sizes {sizes}."
+        )
+    return sizes
 
 
 def _slowest(seconds: float) -> float:

@@ -35,8 +35,8 @@ def measure_compute(
 ) -> float:
     """Seconds of one step's compute: the local phase of post-local SGD (gradients
     averaged inside each node only, as the candidates' local steps do; the loss mean
-    across nodes that every step reports included), compiled once, run once to warm up,
-    then the median of ``repeats`` timed steps.
+    across nodes that every step reports included), compiled once, run three times to
+    warm up, then the median of ``repeats`` timed steps.
 
     Example:
       >>> import jax.numpy as jnp, optax, lsgd_jax
@@ -62,8 +62,9 @@ def _local_step(
 def _timed(
     local: Any, p: Any, s: Any, batch: Any, repeats: int, clock: Callable[[], float]
 ) -> float:
-    """The median of ``repeats`` timed calls after one untimed call."""
-    p, s, _ = local(p, s, batch)
+    """The median of ``repeats`` timed calls after three untimed ones."""
+    for _ in range(3):
+        p, s, _ = local(p, s, batch)
     jax.block_until_ready(p)
     times = []
     for _ in range(repeats):
@@ -139,8 +140,13 @@ class Plan:
 
     def __str__(self) -> str:
         rate = self.link.bytes_per_s * 8 / 1e6
+        flat = self.flat_link
+        also = "" if flat is None else (
+            f" (one flat all-reduce over every device: {flat.bytes_per_s * 8 / 1e6:,.1f} "
+            f"Mbit/s, {flat.latency_s * 1e3:.3f} ms)"
+        )  # fmt: skip
         head = [
-            f"link: {rate:,.1f} Mbit/s, {self.link.latency_s * 1e3:.3f} ms a collective; "
+            f"link: {rate:,.1f} Mbit/s, {self.link.latency_s * 1e3:.3f} ms a collective{also}; "
             f"compute {self.compute_s * 1e3:.1f} ms a step; tolerance {self.tolerance}",
             "| setup | step (ms) | speed over DDP | node-link MB, run | DDP's bytes / its | "
             "quality risk (nats/byte) |",
@@ -268,14 +274,14 @@ def plan(
     candidates = _checked_candidates(candidates)
     _check_mesh(mesh, node_axis, candidates)
     _check_inner_optimizer(optimizer, params)
-    link, flat_link, probe = _links(mesh, node_axis, link, flat_link)
+    link, flat_link, probe = _links(mesh, node_axis, link, flat_link, params)
     inner = tuple(a for a in mesh.axis_names if a != node_axis)
     if compute_s is None:
         # a local step, less what its loss mean across nodes waits on the link
         local, p, s = _local_step(loss_fn, params, batch, mesh, optimizer)
         own = step.communication_ledger(local, p, s, batch, num_steps=1, inner_axes=inner)
         paid = _link_seconds(own.phases[own.steps[0]], link, flat_link)
-        compute_s = max(_timed(local, p, s, batch, 10, time.perf_counter) - paid, 0.0)
+        compute_s = max(_timed(local, p, s, batch, 20, time.perf_counter) - paid, 0.0)
     compute_s = _validate.real_number(compute_s, "plan: compute_s", "0.05")
     if compute_s < 0:
         raise ValueError(
@@ -312,9 +318,10 @@ def plan(
 
 
 def _links(
-    mesh: Mesh, node_axis: str, link: Any, flat_link: Any
+    mesh: Mesh, node_axis: str, link: Any, flat_link: Any, params: Any
 ) -> tuple[Link, Link | None, tuple[dict[str, Any], ...]]:
-    """``(link, flat_link, probe timings)``: as given, or measured."""
+    """``(link, flat_link, probe timings)``: as given, or measured (the flat one from a
+    one-value all-reduce and one of the params' sizes, a flat gradient mean's)."""
     if flat_link is not None and (link is None or not isinstance(flat_link, Link)):
         raise TypeError(
             f"plan: flat_link must be a lsgd_jax.planner.Link given with link=, got "
@@ -330,7 +337,9 @@ def _links(
     link, timings = measure_link(mesh, node_axis=node_axis)
     if mesh.devices.size == mesh.shape[node_axis]:  # one device a node: no flat ring
         return link, None, tuple(timings)
-    flat_link, flat = measure_link(mesh, node_axis=node_axis, axes=tuple(mesh.axis_names))
+    flat_link, flat = measure_link(
+        mesh, node_axis=node_axis, axes=tuple(mesh.axis_names), sizes=(1,), like=params
+    )
     return link, flat_link, tuple(timings) + tuple(flat)
 
 

@@ -63,6 +63,17 @@ def test_the_probe_times_all_reduces_over_the_node_axis_and_fits_them():
     assert [r["link_bytes"] for r in flat] == [2 * 2 * 7 / 8 * 4 * n for n in sizes[:2]]
     with pytest.raises(ValueError, match="include the node axis 'node'"):
         measure_link(mesh, axes=("local",))
+    # like=: one more all-reduce, of the tree's leaf sizes together (a gradient mean's
+    # operands); timed once when its first run takes longer than 10 s
+    tree = {"a": jnp.zeros(100), "b": jnp.zeros((3, 4))}
+    ticks = [0.0, 0.01] * 2 + [0.0, 6.0] + [0.0, 5.0]  # size 1 twice; the tree: 6 s, then 1 run
+    _, rows = measure_link(mesh, sizes=(1,), repeats=2, clock=iter(ticks).__next__,
+                           axes=("node", "local"), like=tree)  # fmt: skip
+    assert [(r["values"], r["link_bytes"], r["seconds"]) for r in rows] == [
+        (1, 14, 0.01), (112, 2 * 2 * 7 / 8 * 4 * 112, 5.0)
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="like= must be a tree of arrays"):
+        measure_link(mesh, like={})
     # a slow link: the sizes stop growing once a run takes longer than max_s
     slow = iter([0.0, 0.2] * 2 + [0.0, 0.9] * 2 + [0.0, 99.0] * 2).__next__
     link, rows = measure_link(mesh, sizes=sizes, repeats=2, max_s=0.5, clock=slow)
