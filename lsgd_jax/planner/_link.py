@@ -103,8 +103,9 @@ def measure_link(
 
     Every process of the mesh must call it (the all-reduces are collectives). Each
     program is compiled once, run once to warm up, then timed ``repeats`` times (the
-    median counts); its bytes on the link are read off the compiled program as the
-    ledger reads a step's.
+    median counts, the largest over the processes, so that every process fits the same
+    link); its bytes on the link are read off the compiled program as the ledger reads
+    a step's.
 
     Args:
       mesh: the training mesh (its ``node_axis`` spans the nodes).
@@ -178,21 +179,21 @@ def measure_link(
         else:  # a tree whose all-reduce is slow (a large model, a slow link) is timed less
             start = clock()
             jax.block_until_ready(compiled(x))
-            warm = _slowest(clock() - start)
+            warm = slowest(clock() - start)
             repeats = min(repeats, max(1, int(_TREE_S / max(warm, 1e-9))))
         times = []
         for _ in range(repeats):
             start = clock()
             jax.block_until_ready(compiled(x))
             times.append(clock() - start)
-        seconds = statistics.median(times)
+        seconds = slowest(statistics.median(times))  # every process fits the same link
         return {"values": sum(values), "link_bytes": link_bytes, "seconds": seconds}
 
     tree = None if like is None else _float_sizes(like)
     rows: list[dict[str, Any]] = []
     for n in sizes:
         rows.append(timed([int(n)], repeats))
-        if len(rows) >= 2 and _slowest(rows[-1]["seconds"]) > max_s:
+        if len(rows) >= 2 and rows[-1]["seconds"] > max_s:
             break
     if tree is not None:
         rows.append(timed(tree, repeats, tree=True))
@@ -211,7 +212,7 @@ def _float_sizes(like: Any) -> list[int]:
     return sizes
 
 
-def _slowest(seconds: float) -> float:
+def slowest(seconds: float) -> float:
     """The longest of the processes' ``seconds`` (one agreed value: each process then
     runs the same collectives)."""
     if jax.process_count() == 1:

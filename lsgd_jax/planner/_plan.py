@@ -18,7 +18,7 @@ from lsgd_jax import averaging, hook, step
 from lsgd_jax import mesh as mesh_room
 from lsgd_jax._core import _validate
 from lsgd_jax.planner._candidates import CANDIDATES, Candidate
-from lsgd_jax.planner._link import Link, measure_link
+from lsgd_jax.planner._link import Link, measure_link, slowest
 
 TIE = 0.02  # predicted run times this close count as equal
 
@@ -36,7 +36,8 @@ def measure_compute(
     """Seconds of one step's compute: the local phase of post-local SGD (gradients
     averaged inside each node only, as the candidates' local steps do; the loss mean
     across nodes that every step reports included), compiled once, run three times to
-    warm up, then the median of ``repeats`` timed steps.
+    warm up, then the median of ``repeats`` timed steps (the largest over the
+    processes: every process plans alike).
 
     Example:
       >>> import jax.numpy as jnp, optax, lsgd_jax
@@ -72,7 +73,7 @@ def _timed(
         p, s, _ = local(p, s, batch)
         jax.block_until_ready(p)
         times.append(clock() - start)
-    return statistics.median(times)
+    return slowest(statistics.median(times))  # the processes agree, so choose alike
 
 
 @dataclasses.dataclass(frozen=True)
