@@ -28,7 +28,8 @@ class Candidate:
       name: what the table calls it.
       make: ``make(optimizer, num_steps) -> optax chain`` around the user's optimizer.
       risk: the worst final-loss gap to a tuned DDP we measured for it (nats per byte,
-        every seed and model; None: not measured), compared with the plan's tolerance.
+        every seed and model), compared with the plan's tolerance; None: not measured,
+        so never chosen (the table still shows its prediction).
       measured: where that comes from, for the table.
     """
 

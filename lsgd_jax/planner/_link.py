@@ -75,15 +75,17 @@ def fit(link_bytes: Sequence[float], seconds: Sequence[float]) -> Link:
     x, y = np.asarray(link_bytes, float), np.asarray(seconds, float)
     if x.shape != y.shape or x.ndim != 1:
         raise ValueError(f"fit: one time per size, got {x.shape} sizes and {y.shape} times.")
+    if not (np.isfinite(x).all() and (x >= 0).all()):
+        raise ValueError(f"fit: the sizes are bytes, finite and >= 0; got {x.tolist()}.")
     if x.size < 2 or np.ptp(x) == 0:
-        raise ValueError(f"fit needs two or more different sizes, got link_bytes={list(x)}.")
+        raise ValueError(f"fit needs two or more different sizes, got link_bytes={x.tolist()}.")
     if not (np.isfinite(y).all() and (y > 0).all()):
-        raise ValueError(f"fit: the times must be positive and finite, got {list(y)}.")
+        raise ValueError(f"fit: the times must be positive and finite, got {y.tolist()}.")
     slope, intercept = np.polyfit(x, y, 1, w=1 / y)
     if slope <= 0:
         raise ValueError(
             "the timings do not grow with the bytes (a link this fast cannot be told from "
-            f"the noise; got seconds={list(y)} for link_bytes={list(x)}): time larger sizes."
+            f"the noise; got seconds={y.tolist()} for link_bytes={x.tolist()}): time larger sizes."
         )
     return Link(bytes_per_s=float(1 / slope), latency_s=float(max(intercept, 0.0)))
 
@@ -135,30 +137,7 @@ def measure_link(
       >>> [r["link_bytes"] for r in rows]  # a ring's 2 hops across, for 4 groups
       [8192, 33554432]
     """
-    if node_axis not in mesh.axis_names:
-        raise ValueError(
-            f"measure_link: node_axis={node_axis!r} is not an axis of the mesh "
-            f"{tuple(mesh.axis_names)}; pass the axis that spans the nodes."
-        )
-    if mesh.shape[node_axis] < 2:
-        raise ValueError(
-            f"measure_link: the mesh has one node along {node_axis!r}, so nothing crosses "
-            "nodes and there is no link to measure; plan for the mesh of the real job."
-        )
-    repeats = _validate.positive_int(repeats, "measure_link: repeats")
-    sizes = [_validate.positive_int(n, "measure_link: sizes") for n in sizes]
-    max_s = _validate.real_number(max_s, "measure_link: max_s", "0.3")
-    if not max_s > 0:
-        raise ValueError(
-            f"measure_link: max_s is the seconds a probe run may take before the sizes stop "
-            f"growing, > 0; got {max_s}. Use e.g. 0.3."
-        )
-    axes = (node_axis,) if axes is None else tuple(axes)
-    if not axes or not set(axes) <= set(mesh.axis_names) or node_axis not in axes:
-        raise ValueError(
-            f"measure_link: axes={axes!r} must be axes of the mesh {tuple(mesh.axis_names)} "
-            f"that include the node axis {node_axis!r}."
-        )
+    axes, sizes, repeats, max_s = _checked(mesh, node_axis, sizes, repeats, max_s, axes, like)
     # the probe's shard_map wants Auto axes (jax.make_mesh's default is Explicit)
     mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
     spec = P(tuple(mesh.axis_names))
@@ -201,15 +180,57 @@ def measure_link(
     return fit([r["link_bytes"] for r in rows], [r["seconds"] for r in rows]), rows
 
 
+def _checked(
+    mesh: Mesh, node_axis: str, sizes: Any, repeats: Any, max_s: Any, axes: Any, like: Any
+) -> tuple[tuple[str, ...], list[int], int, float]:
+    """``measure_link``'s arguments, checked: ``(axes, sizes, repeats, max_s)``."""
+    if node_axis not in mesh.axis_names:
+        raise ValueError(
+            f"measure_link: node_axis={node_axis!r} is not an axis of the mesh "
+            f"{tuple(mesh.axis_names)}; pass the axis that spans the nodes."
+        )
+    if mesh.shape[node_axis] < 2:
+        raise ValueError(
+            f"measure_link: the mesh has one node along {node_axis!r}, so nothing crosses "
+            "nodes and there is no link to measure; plan for the mesh of the real job."
+        )
+    repeats = _validate.positive_int(repeats, "measure_link: repeats")
+    sizes = [_validate.positive_int(n, "measure_link: sizes") for n in sizes]
+    if sizes != sorted(set(sizes)) or len(sizes) < (1 if like is not None else 2):
+        raise ValueError(
+            f"measure_link: sizes={sizes} must be two or more different sizes, smallest "
+            "first (one is enough with like=), e.g. (1, 1024, 8192)."
+        )
+    max_s = _validate.real_number(max_s, "measure_link: max_s", "0.3")
+    if not max_s > 0:
+        raise ValueError(
+            f"measure_link: max_s is the seconds a probe run may take before the sizes stop "
+            f"growing, > 0; got {max_s}. Use e.g. 0.3."
+        )
+    axes = (node_axis,) if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    if (
+        not axes
+        or len(set(axes)) != len(axes)
+        or not set(axes) <= set(mesh.axis_names)
+        or node_axis not in axes
+    ):
+        raise ValueError(
+            f"measure_link: axes={axes!r} must be distinct axes of the mesh "
+            f"{tuple(mesh.axis_names)} that include the node axis {node_axis!r}, e.g. "
+            f"({node_axis!r},) or {tuple(mesh.axis_names)}."
+        )
+    return axes, sizes, repeats, max_s
+
+
 def _float_sizes(like: Any) -> list[int]:
     """The sizes of ``like``'s leaves, every one of them as float32 values."""
     sizes = [int(np.size(leaf)) for leaf in jax.tree_util.tree_leaves(like)]
-    if not sizes or min(sizes) < 1:
+    if not any(sizes):
         raise ValueError(
-            "measure_link: like= must be a tree of arrays with at least one value each "
-            f"(the model's params), got leaves of sizes {sizes}."
+            "measure_link: like= must be a tree of arrays with at least one value (the "
+            f"model's params), got leaves of sizes {sizes}."
         )
-    return sizes
+    return [n for n in sizes if n]  # an empty leaf sends nothing
 
 
 def slowest(seconds: float) -> float:

@@ -101,7 +101,7 @@ class Row:
     bytes_ratio: float
     risk: float | None
     measured: str
-    phase_step_s: dict[str, float]
+    phase_step_s: dict[str, float] = dataclasses.field(hash=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +127,7 @@ class Plan:
     chosen: Row
     tx: Any
     tolerance: float
-    probe: tuple[dict[str, Any], ...] = ()
+    probe: tuple[dict[str, Any], ...] = dataclasses.field(default=(), hash=False)
     flat_link: Link | None = None
 
     def choose(self, tolerance: float) -> Row:
@@ -155,7 +155,7 @@ class Plan:
         ]
         for r in self.rows:
             mark = " **(chosen)**" if r is self.chosen else ""
-            risk = "not measured" if r.risk is None else f"{r.risk:+.3f} ({r.measured})"
+            risk = "not measured" if r.risk is None else f"{r.risk:+.4f} ({r.measured})"
             head.append(
                 f"| {r.name}{mark} | {r.step_s * 1e3:.1f} | {r.speedup:.2f}x | "
                 f"{r.link_bytes / 1e6:,.1f} | {r.bytes_ratio:.1f} | {risk} |"
@@ -200,6 +200,14 @@ def predict(ledger: Any, link: Link, compute_s: float, flat_link: Link | None = 
       >>> predict(ledger, Link(1e6, 0.001), compute_s=0.01).round(4).tolist()
       [0.0146, 0.0146]
     """
+    if not (hasattr(ledger, "phases") and hasattr(ledger, "steps")):
+        raise TypeError(f"predict: ledger must be a communication_ledger, got {ledger!r}.")
+    for name, value in (("link", link), ("flat_link", flat_link)):
+        if not (isinstance(value, Link) or (name == "flat_link" and value is None)):
+            raise TypeError(f"predict: {name} must be a lsgd_jax.planner.Link, got {value!r}.")
+    compute_s = _validate.real_number(compute_s, "predict: compute_s", "0.05")
+    if compute_s < 0:
+        raise ValueError(f"predict: compute_s is seconds, >= 0; got {compute_s}.")
     seconds = {k: _link_seconds(phase, link, flat_link) for k, phase in ledger.phases.items()}
     return np.array([compute_s + seconds[k] for k in ledger.steps])
 
@@ -273,8 +281,11 @@ def plan(
     num_steps = _validate.positive_int(num_steps, "plan: num_steps")
     tolerance = _validate.real_number(tolerance, "plan: tolerance", "0.01")
     candidates = _checked_candidates(candidates)
+    if not any(c.risk is not None and c.risk <= tolerance for c in candidates):
+        _none_within(tolerance, {c.name: c.risk for c in candidates})  # before any probe
     _check_mesh(mesh, node_axis, candidates)
     _check_inner_optimizer(optimizer, params)
+    _check_one_replica(params)
     link, flat_link, probe = _links(mesh, node_axis, link, flat_link, params)
     inner = tuple(a for a in mesh.axis_names if a != node_axis)
     if compute_s is None:
@@ -290,7 +301,13 @@ def plan(
         )
 
     def predicted(candidate: Candidate) -> tuple[Any, float, int, dict[str, float]]:
-        tx = candidate.make(optimizer, num_steps)
+        try:
+            tx = candidate.make(optimizer, num_steps)
+        except Exception as e:
+            raise RuntimeError(
+                f"plan: candidate {candidate.name!r}: make(optimizer, num_steps) raised "
+                f"{type(e).__name__}: {e}"
+            ) from e
         if not isinstance(tx, optax.GradientTransformation):
             raise TypeError(
                 f"plan: candidate {candidate.name!r}: make(optimizer, num_steps) must return "
@@ -346,23 +363,35 @@ def _links(
 
 def _check_mesh(mesh: Any, node_axis: str, candidates: tuple[Candidate, ...]) -> None:
     if not isinstance(mesh, Mesh) or node_axis not in mesh.axis_names:
+        axes = tuple(mesh.axis_names) if isinstance(mesh, Mesh) else None
         raise ValueError(
             f"plan: mesh must be a jax Mesh with the node axis {node_axis!r} (e.g. "
-            f"lsgd_jax.make_mesh(nodes, devices_per_node)), got {mesh!r}."
-        )
-    inner = tuple(a for a in mesh.axis_names if a != node_axis)
-    if inner != hook.DEFAULT_SUBGROUP and any(c in CANDIDATES for c in candidates):
-        raise ValueError(
-            f"plan: the built-in candidates average inside a node over the mesh axis "
-            f"{hook.DEFAULT_SUBGROUP[0]!r}, but this mesh's axes besides {node_axis!r} are "
-            f"{inner}; name them {tuple(mesh.axis_names)} -> ({node_axis!r}, 'local') "
-            "(lsgd_jax.make_mesh does), or pass candidates= whose chains name your axes."
+            f"lsgd_jax.make_mesh(nodes, devices_per_node)), got {mesh!r}"
+            + (f"; pass node_axis= one of {axes}." if axes else ".")
         )
     if mesh.shape[node_axis] < 2:
         raise ValueError(
             f"plan: the mesh has one node along {node_axis!r}: nothing crosses nodes, so "
             "there is no link to plan for (DDP is the setup); plan on the real job's mesh."
         )
+    inner = tuple(a for a in mesh.axis_names if a != node_axis)
+    local = hook.DEFAULT_SUBGROUP[0]
+    if inner == (local,) or not any(c in CANDIDATES for c in candidates):
+        return
+    if node_axis == local:
+        fix = f"the node axis is the other one: node_axis={inner[0]!r}" if inner else ""
+    elif len(inner) == 1:
+        fix = (
+            f"name the axis inside a node {local!r}: jax.sharding.Mesh(mesh.devices, "
+            f"({node_axis!r}, {local!r})), as lsgd_jax.make_mesh does"
+        )
+    else:
+        fix = f"plan on a mesh of two axes, ({node_axis!r}, {local!r}) (lsgd_jax.make_mesh)"
+    raise ValueError(
+        f"plan: the built-in candidates average inside a node over the mesh axis {local!r}; "
+        f"this mesh's axes are {tuple(mesh.axis_names)} with node_axis={node_axis!r}: "
+        f"{fix}; or pass candidates= whose chains name your axes."
+    )
 
 
 def _check_inner_optimizer(optimizer: Any, params: Any) -> None:
@@ -370,7 +399,8 @@ def _check_inner_optimizer(optimizer: Any, params: Any) -> None:
     if not isinstance(optimizer, optax.GradientTransformation):
         raise TypeError(
             f"plan: optimizer must be an optax GradientTransformation (e.g. "
-            f"optax.adamw(1e-3)), got {optimizer!r}."
+            f"optax.adamw(1e-3); for optax.MultiSteps pass its .gradient_transformation()), "
+            f"got {optimizer!r}."
         )
     ours = (hook.PostLocalSGDState, averaging.ModelAveragerState)
     nodes = jax.tree_util.tree_leaves(
@@ -382,6 +412,17 @@ def _check_inner_optimizer(optimizer: Any, params: Any) -> None:
             "inner optimizer alone (e.g. optax.adamw(1e-3)): each candidate builds its "
             "chain around it."
         )
+
+
+def _check_one_replica(params: Any) -> None:
+    """``params`` is one replica's: a sharded (e.g. ``replicate``-d) array is refused."""
+    for x in jax.tree_util.tree_leaves(params):
+        if isinstance(x, jax.Array) and not x.sharding.is_fully_replicated:
+            raise ValueError(
+                f"plan: params must be one replica's (the model as you initialise it), got "
+                f"an array of shape {x.shape} sharded as {x.sharding}; pass the params from "
+                "before lsgd_jax.replicate."
+            )
 
 
 def _ranked(
@@ -402,15 +443,24 @@ def _ranked(
     return rows, next(r for r in ranked if r[0] is chosen)
 
 
+def _none_within(tolerance: float, risks: dict[str, float | None]) -> None:
+    """Raises the error for a tolerance that no candidate meets."""
+    measured = [r for r in risks.values() if r is not None]
+    fix = (
+        f"raise the tolerance to at least {min(measured)}" if measured else
+        "give your candidates a measured risk (a risk of None is never chosen)"
+    )  # fmt: skip
+    raise ValueError(
+        f"plan: no candidate is within tolerance={tolerance} (their risks: {risks}); {fix}, "
+        "or pass candidates= with a setup you trust."
+    )
+
+
 def _choose(rows: Sequence[Row], tolerance: float) -> Row:
     """Of ``rows`` (fastest first), the fastest within the tolerance; of those within
     ``TIE`` of it (as fast, as far as a prediction can tell), the lowest risk."""
     allowed = [r for r in rows if r.risk is not None and r.risk <= tolerance]
     if not allowed:
-        risks = {r.name: r.risk for r in rows}
-        raise ValueError(
-            f"plan: no candidate is within tolerance={tolerance} (their risks: {risks}); "
-            "raise the tolerance, or pass candidates= with a setup you trust."
-        )
+        _none_within(tolerance, {r.name: r.risk for r in rows})
     near = [r for r in allowed if r.run_s <= allowed[0].run_s * (1 + TIE)]
     return min(near, key=lambda r: (r.risk, r.run_s))

@@ -258,3 +258,101 @@ def test_the_measured_compute_leaves_out_the_loss_mean_across_nodes(monkeypatch)
     assert found.compute_s == pytest.approx(0.05 - 0.004, abs=1e-9)
     ddp = next(r for r in found.rows if r.name == "DDP")  # one flat collective a step
     assert ddp.step_s == pytest.approx(0.05, abs=1e-6)
+
+
+def test_what_the_independent_probe_broke_is_refused_with_the_fix():
+    loss, params, batch = inputs()
+    mesh = mesh_2x4()
+
+    def call(**kw):
+        args = {"num_steps": 10, "link": SLOW_LINK, "compute_s": 0.01, **kw}
+        where = args.pop("mesh", mesh), args.pop("optimizer", optax.sgd(0.1))
+        return plan(loss, args.pop("params", params), batch, *where, **args)
+
+    with pytest.raises(ValueError, match="node_axis='node'"):
+        call(node_axis="local")
+    three = jax.sharding.Mesh(mesh.devices.reshape(2, 2, 2), ("node", "local", "model"))
+    with pytest.raises(ValueError, match="a mesh of two axes"):
+        call(mesh=three)
+    with pytest.raises(ValueError, match=r"pass node_axis= one of \('dcn', 'ici'\)"):
+        call(mesh=jax.sharding.Mesh(mesh.devices, ("dcn", "ici")))
+    bad = lsgd_jax.planner.Candidate("bad", lambda opt: opt, 0.0, "mine")
+    with pytest.raises(RuntimeError, match=r"candidate 'bad': make\(optimizer, num_steps\)"):
+        call(candidates=[bad])
+    unmeasured = lsgd_jax.planner.Candidate("mine", CANDIDATES[0].make, None, "mine")
+    with pytest.raises(ValueError, match="a risk of None is never chosen"):
+        call(candidates=[unmeasured], tolerance=1.0)
+    with pytest.raises(ValueError, match="raise the tolerance to at least 0.0"):
+        call(tolerance=-0.5)
+    with pytest.raises(ValueError, match="params must be one replica's"):
+        call(params=lsgd_jax.replicate(params, mesh))
+    with pytest.raises(TypeError, match=r"MultiSteps pass its .gradient_transformation\(\)"):
+        call(optimizer=optax.MultiSteps(optax.sgd(0.1), 2))
+    found = call(tolerance=0.05)
+    assert hash(found) == hash(found) and len({*found.rows}) == len(found.rows)
+    assert "+0.0075 (" in str(found)  # the 1/3 warm-up's risk, not rounded past 0.007
+    # measure_link: one axis name as a string, distinct axes, sizes smallest first
+    clock = iter([0.0, 0.01, 0.0, 0.02]).__next__
+    _, rows = measure_link(mesh, sizes=(1, 1024), repeats=1, clock=clock, axes="node")
+    assert [r["values"] for r in rows] == [1, 1024]
+    with pytest.raises(ValueError, match="distinct axes"):
+        measure_link(mesh, axes=("node", "node"))
+    for sizes in ((1024,), (8192, 1024), (1024, 1024)):
+        with pytest.raises(ValueError, match="two or more different sizes, smallest first"):
+            measure_link(mesh, sizes=sizes)
+    # an empty leaf sends nothing: left out of like=
+    clock = iter([0.0, 0.01, 0.0, 0.1, 0.0, 0.1]).__next__
+    _, rows = measure_link(mesh, sizes=(1,), repeats=1, clock=clock, axes=("node", "local"),
+                           like={"w": jnp.zeros(3), "e": jnp.zeros((0, 3))})  # fmt: skip
+    assert [r["values"] for r in rows] == [1, 3]
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        fit([1e3, float("nan")], [0.1, 0.2])
+
+
+def test_predict_checks_what_it_is_given():
+    from lsgd_jax.planner import predict
+
+    loss, params, batch = inputs()
+    mesh = mesh_2x4()
+    tx = CANDIDATES[0].make(optax.sgd(0.1), 4)
+    built = lsgd_jax.data_parallel_step(loss, tx, mesh)
+    p, s = lsgd_jax.replicate(params, mesh), lsgd_jax.replicate(tx.init(params), mesh)
+    ledger = lsgd_jax.communication_ledger(built, p, s, batch, num_steps=4)
+    with pytest.raises(TypeError, match="link must be a lsgd_jax.planner.Link"):
+        predict(ledger, (1e6, 0.01), 0.01)
+    with pytest.raises(TypeError, match="ledger must be a communication_ledger"):
+        predict(built, SLOW_LINK, 0.01)
+    with pytest.raises(ValueError, match="compute_s is seconds, >= 0"):
+        predict(ledger, SLOW_LINK, -1.0)
+
+
+def test_the_command_names_the_flag_to_fix(tmp_path, monkeypatch, capsys):
+    from lsgd_jax.planner.__main__ import main
+
+    (tmp_path / "my_job.py").write_text(
+        "import jax.numpy as jnp, optax\n"
+        "def planner_inputs():\n"
+        "    return {'loss_fn': lambda p, b: jnp.mean((b @ p) ** 2), 'params': jnp.zeros(64),\n"
+        "            'batch': jnp.ones((8, 64)), 'optimizer': optax.sgd(0.1)}\n"
+        "def needs_an_argument(x):\n"
+        "    return {}\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ok = ["--setup", "my_job:planner_inputs", "--steps", "30"]
+    cases = [
+        (["--setup", "my_job:planner_inputs", "--steps", "0"], "--steps: must be a positive"),
+        ([*ok, "--compute-ms", "-1"], "--compute-ms: must be a finite number >= 0"),
+        ([*ok, "--link-mbit", "inf", "--latency-ms", "1"], "--link-mbit: must be a finite"),
+        ([*ok, "--tolerance", "nan"], "--tolerance: must be a finite number"),
+        ([*ok, "--json", str(tmp_path)], "give a file in a folder that exists"),
+        (["--setup", "nosuch:planner_inputs", "--steps", "30"], "cannot import 'nosuch'"),
+        (["--setup", "my_job.py:planner_inputs", "--steps", "30"], "my_job, not my_job.py"),
+        (["--setup", "my_job:needs_an_argument", "--steps", "30"], "must take no arguments"),
+        (ok, "pass --nodes N of 2 or more"),  # one process: the default mesh has one node
+        ([*ok, "--nodes", "3", "--devices-per-node", "4"], "needs 12 devices, but this job"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err, (argv, err)
