@@ -182,14 +182,17 @@ def test_the_command_prints_the_plan(tmp_path):
         (tmp_path / "plan.json").read_text())["rows"]]).all()  # fmt: skip
 
 
+def call(**kw):
+    """plan() of the test model on a 10-step run over SLOW_LINK, any argument replaced."""
+    loss, params, batch = inputs()
+    args = {"num_steps": 10, "link": SLOW_LINK, "compute_s": 0.01, **kw}
+    where = args.pop("mesh", mesh_2x4()), args.pop("optimizer", optax.sgd(0.1))
+    return plan(loss, args.pop("params", params), args.pop("batch", batch), *where, **args)
+
+
 def test_what_a_user_gets_wrong_is_named_with_the_fix():
     loss, params, batch = inputs()
     mesh = mesh_2x4()
-
-    def call(**kw):
-        args = {"num_steps": 10, "link": SLOW_LINK, "compute_s": 0.01, **kw}
-        where = args.pop("mesh", mesh), args.pop("optimizer", optax.sgd(0.1))
-        return plan(loss, params, args.pop("batch", batch), *where, **args)
 
     with pytest.raises(TypeError, match="link must be a lsgd_jax.planner.Link"):
         call(link=(1e7, 1e-3))
@@ -263,11 +266,6 @@ def test_the_measured_compute_leaves_out_the_loss_mean_across_nodes(monkeypatch)
 def test_what_the_independent_probe_broke_is_refused_with_the_fix():
     loss, params, batch = inputs()
     mesh = mesh_2x4()
-
-    def call(**kw):
-        args = {"num_steps": 10, "link": SLOW_LINK, "compute_s": 0.01, **kw}
-        where = args.pop("mesh", mesh), args.pop("optimizer", optax.sgd(0.1))
-        return plan(loss, args.pop("params", params), batch, *where, **args)
 
     with pytest.raises(ValueError, match="node_axis='node'"):
         call(node_axis="local")
