@@ -231,11 +231,15 @@ def test_the_demo_runs_with_an_unwritable_home(tmp_path):
 
 
 def backend_compiles(fn):
-    """How many programs XLA compiles while ``fn`` runs."""
+    """How many programs XLA compiles on this thread while ``fn`` runs (the listener is
+    process-wide: an earlier test's step may still compile on its background thread)."""
+    import threading
+
     seen = []
+    me = threading.current_thread().name
 
     def listener(name, duration, **kwargs):
-        if name.endswith("backend_compile_duration"):
+        if name.endswith("backend_compile_duration") and threading.current_thread().name == me:
             seen.append(duration)
 
     jax.monitoring.register_event_duration_secs_listener(listener)
