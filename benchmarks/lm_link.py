@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import pathlib
-import shlex
 import statistics
 import sys
 import tempfile
@@ -233,11 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
-    missing = sl.requirements()
-    if missing:
-        print("lm_link.py cannot run here; it needs:\n" + "\n".join(missing), file=sys.stderr)
+    if not sl.can_run("lm_link.py"):
         return 2
-    command = "PYTHONPATH=. python benchmarks/lm_link.py " + shlex.join(argv)
+    command = sl.command_line("lm_link.py", argv)
     with sl.signals_raise():
         try:
             sl.safe_teardown(args.prefix)  # leftovers of a killed run

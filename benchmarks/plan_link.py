@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import pathlib
-import shlex
 import sys
 import tempfile
 import time
@@ -217,11 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
-    missing = sl.requirements()
-    if missing:
-        print("plan_link.py cannot run here; it needs:\n" + "\n".join(missing), file=sys.stderr)
+    if not sl.can_run("plan_link.py"):
         return 2
-    command = "PYTHONPATH=. python benchmarks/plan_link.py " + shlex.join(argv)
+    command = sl.command_line("plan_link.py", argv)
     results, lines = {}, [f"Command: `{command}`", ""]
     for link in args.rates.split(","):
         rate, _, rtt = link.partition("@")

@@ -991,28 +991,38 @@ def safe_teardown(prefix: str) -> None:
             signal.signal(s, h)
 
 
+def can_run(script: str) -> bool:
+    """Whether this machine can run the emulated cluster; if not, says what it needs on
+    stderr (the benchmark ``script`` then exits with 2)."""
+    missing = requirements()
+    if missing:
+        print(
+            f"{script} cannot run here; it needs:\n"
+            + "".join(f"  - {m}\n" for m in missing)
+            + "and a kernel with network namespaces, veth and the tbf qdisc.",
+            file=sys.stderr,
+        )
+    return not missing
+
+
+def command_line(script: str, argv: list[str]) -> str:
+    """The command that reruns ``benchmarks/<script>`` with ``argv``, for its results."""
+    return f"PYTHONPATH=. python benchmarks/{script}" + (" " + shlex.join(argv) if argv else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse(argv)
     if args.worker:
         worker(args)
         return 0
-    missing = requirements()
-    if missing:
-        print(
-            "slow_link.py cannot run here; it needs:\n"
-            + "".join(f"  - {m}\n" for m in missing)
-            + "and a kernel with network namespaces, veth and the tbf qdisc.",
-            file=sys.stderr,
-        )
+    if not can_run("slow_link.py"):
         return 2
     if args.teardown:
         safe_teardown(args.prefix)
         print(f"removed any {args.prefix}* namespaces, veths and /etc/netns folders")
         return 0
-    command = "PYTHONPATH=. python benchmarks/slow_link.py" + (
-        " " + shlex.join(argv) if argv else ""
-    )
+    command = command_line("slow_link.py", argv)
     results = []
     with signals_raise():
         try:
