@@ -154,7 +154,15 @@ def test_a_job_resumes_on_fewer_processes_and_after_the_coordinator_died(job_b):
     assert "restarting it and the job (restart 1 of 1)" in out, out[-3000:]
     for p in (0, 1):
         mine = steps_of(records, p)
-        back = next(i for i in range(1, len(mine)) if mine[i] <= mine[i - 1])
+        back = next((i for i in range(1, len(mine)) if mine[i] <= mine[i - 1]), None)
+        if back is None:
+            # killed before it recorded the steps before the checkpoint the job resumed
+            # from (seen in CI): its records run on without a repeat
+            assert mine == list(range(6, 12)), mine
+            assert "resuming at step 8 from checkpoint" in out or (
+                "resuming at step 10 from checkpoint" in out
+            ), out[-3000:]
+            continue
         first, second = mine[:back], mine[back:]
         assert first == list(range(6, 6 + len(first))) and first[-1] >= 8, mine
         # The restarted job resumed at its newest finalized checkpoint: 8; 10 if it was
