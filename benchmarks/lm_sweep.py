@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import re
@@ -262,6 +263,53 @@ def best_within(rows: list[dict], model: str, tolerance: float, seeds: int = 3) 
     return max(ok, key=lambda r: r["ratio"], default=None)
 
 
+# The planner's candidates (lsgd_jax.planner.CANDIDATES) and the runs that measured each:
+# (setup, tag), at the setup's best inner rate on each model.
+CANDIDATE_RUNS: dict[str, tuple[str, str]] = {
+    "DDP": ("ddp", ""),
+    "DDP, 4-bit two-level gradient means": ("recipe", "q4ddp"),
+    "DiLoCo H=32, 8-bit averages, 4-bit warm-up to 1/3": ("recipe", "s500"),
+    "DiLoCo H=32, 8-bit averages, 4-bit warm-up to 1/5": ("recipe", "s300"),
+    "plain 8-bit averages H=8, 4-bit warm-up to 1/15": ("recipe", "l8"),
+    "DiLoCo H=16, 8-bit averages, 4-bit warm-up to 1/15": ("recipe", "h16"),
+    "slow-link recipe: DiLoCo H=32, 8-bit, 4-bit warm-up to 1/15": ("recipe", ""),
+}
+
+
+def run_name(row: dict, seed: int) -> str:
+    """The run name of a frontier row's setup on ``seed``."""
+    tag = f"_{row['tag']}" if row["tag"] else ""
+    return f"{row['model']}_{row['setup']}{tag}_lr{lr_label(row['lr'])}_seed{seed}"
+
+
+def seed_curves(out: pathlib.Path) -> dict[str, dict[tuple[str, int], list[float]]]:
+    """``{candidate: {(model, seed): gaps}}``: at each evaluation of the run but the first
+    (steps 100, 200, ..., 1500), the candidate's validation loss less the tuned DDP's
+    final loss on the same seed (each setup at its best inner rate)."""
+    rows = frontier(out)
+    ddp = {r["model"]: r for r in rows if (r["setup"], r["tag"]) == ("ddp", "")}
+    curves: dict[str, dict[tuple[str, int], list[float]]] = {}
+    for name, (setup, tag) in CANDIDATE_RUNS.items():
+        for r in (r for r in rows if (r["setup"], r["tag"]) == (setup, tag)):
+            for seed in r["seeds"]:
+                final = json.loads((out / f"{run_name(ddp[r['model']], seed)}.json").read_text())
+                losses = json.loads((out / f"{run_name(r, seed)}.json").read_text())
+                evals = losses[0]["history"]["val_loss"][1:]
+                gaps = [v - final[0]["val_loss"] for v in evals]
+                curves.setdefault(name, {})[(r["model"], seed)] = gaps
+    return curves
+
+
+def reach_curves(out: pathlib.Path) -> dict[str, tuple[float, ...]]:
+    """Each candidate's quality curve for ``lsgd_jax.planner``: :func:`seed_curves`' worst
+    over models and seeds at each point, rounded up to 1e-4 (the last point is the
+    candidate's risk)."""
+    return {
+        name: tuple(math.ceil(max(g) * 1e4 - 1e-6) / 1e4 for g in zip(*runs.values()))
+        for name, runs in seed_curves(out).items()
+    }
+
+
 def plot(rows: list[dict], path: pathlib.Path) -> None:
     """The frontier as a picture: per model, the gap to the tuned DDP (mean, and the
     range over seeds) against DDP's bytes over the setup's; one seed is a hollow mark."""
@@ -308,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if "--" in argv:
         extra, argv = argv[argv.index("--") + 1 :], argv[: argv.index("--")]
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("action", choices=["run", "table", "list", "frontier"])
+    p.add_argument("action", choices=["run", "table", "list", "frontier", "curves"])
     p.add_argument("--plan", action="append", default=[], help="e.g. lm-ddp-lr (repeatable)")
     p.add_argument("--tag", default="", help="names a variant (its extra flags follow --)")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time")
@@ -317,6 +365,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--plot", default="", help="frontier: also draw it to this PNG")
     a = p.parse_args(argv)
     out = pathlib.Path(a.out)
+    if a.action == "curves":
+        for name, curve in reach_curves(out).items():
+            print(f"{name!r}: {curve},")
+        return
     if a.action == "frontier":
         rows = frontier(out)
         print(frontier_table(rows))

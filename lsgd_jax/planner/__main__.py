@@ -112,7 +112,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if jax.process_index() == 0:
         print(found)
         if a.json:
-            rows = [{k: v for k, v in vars(r).items()} for r in found.rows]
+            hidden = ("candidate", "elapsed_s")  # the curve and the cumulative seconds
+            rows = [{k: v for k, v in vars(r).items() if k not in hidden} for r in found.rows]
             with open(a.json, "w") as f:
                 json.dump({"chosen": found.chosen.name, "rows": rows}, f, indent=1)
     sys.stdout.flush()

@@ -53,6 +53,7 @@ class Link:
 
     def seconds(self, link_bytes: float, collectives: int = 1) -> float:
         """The time of ``collectives`` collectives that put ``link_bytes`` on the link."""
+        collectives = _validate.nonnegative_int(collectives, "Link.seconds: collectives")
         if link_bytes < 0 or collectives < 0:
             raise ValueError(
                 f"Link.seconds: link_bytes and collectives count what a step sends, so "

@@ -14,9 +14,10 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from lsgd_jax import averaging, hook, step
+from lsgd_jax import hook, step
 from lsgd_jax import mesh as mesh_room
 from lsgd_jax._core import _validate
+from lsgd_jax.planner import _checks as checks
 from lsgd_jax.planner._candidates import CANDIDATES, Candidate
 from lsgd_jax.planner._link import Link, measure_link, slowest
 
@@ -91,6 +92,12 @@ class Row:
       measured: where the risk was measured.
       phase_step_s: ``{"<link bytes> B in <n> collectives": predicted seconds}``, one
         per kind of step.
+      reach: the share of the run after which it is within the plan's tolerance of a
+        tuned DDP's final loss (``Candidate.reach``), or None: never.
+      target_s: the predicted seconds until then, or None.
+      candidate: the :class:`Candidate`.
+      elapsed_s: the predicted seconds of the run's first ``j / (len - 1)`` share, for
+        each ``j`` (``to_within`` reads it).
     """
 
     name: str
@@ -102,18 +109,39 @@ class Row:
     risk: float | None
     measured: str
     phase_step_s: dict[str, float] = dataclasses.field(hash=False)
+    reach: float | None = None
+    target_s: float | None = None
+    candidate: Candidate | None = dataclasses.field(default=None, hash=False, repr=False)
+    elapsed_s: tuple[float, ...] = dataclasses.field(default=(), hash=False, repr=False)
+
+    def to_within(self, tolerance: float) -> float | None:
+        """The predicted seconds until this setup is within ``tolerance`` of a tuned
+        DDP's final loss (its candidate's ``reach``), or None: never."""
+        if self.candidate is None:
+            return self.run_s if self.risk is not None and self.risk <= tolerance else None
+        reach = self.candidate.reach(tolerance)
+        if reach is None:
+            return None
+        if len(self.elapsed_s) < 2:
+            return reach * self.run_s
+        x = reach * (len(self.elapsed_s) - 1)
+        j = min(int(x), len(self.elapsed_s) - 2)
+        a, b = self.elapsed_s[j], self.elapsed_s[j + 1]
+        return a + (x - j) * (b - a)
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What ``lsgd_jax.plan`` found: the link and compute it measured (or was given), every
-    candidate ranked by predicted run time, and the chosen one with its chain.
+    candidate ranked by its predicted time to within the tolerance of a tuned DDP's final
+    loss, and the chosen one with its chain.
 
     Attributes:
       link: the :class:`Link`.
       compute_s: one step's seconds without its communication across nodes.
-      rows: the candidates, fastest first.
-      chosen: the fastest row within the tolerance.
+      rows: the candidates, fastest to within the tolerance first (then the others, by
+        run time).
+      chosen: the fastest row to within the tolerance.
       tx: the chosen chain (the user's optimizer inside).
       tolerance: the quality risk allowed (nats per byte).
       probe: the link probe's timings (empty when the link was given).
@@ -149,32 +177,19 @@ class Plan:
         head = [
             f"link: {rate:,.1f} Mbit/s, {self.link.latency_s * 1e3:.3f} ms a collective{also}; "
             f"compute {self.compute_s * 1e3:.1f} ms a step; tolerance {self.tolerance}",
-            "| setup | step (ms) | speed over DDP | node-link MB, run | DDP's bytes / its | "
-            "quality risk (nats/byte) |",
-            "|---|---:|---:|---:|---:|---|",
+            f"| setup | step (ms) | speed over DDP | to within {self.tolerance} (s, share of "
+            "the run) | node-link MB, run | DDP's bytes / its | quality risk (nats/byte) |",
+            "|---|---:|---:|---:|---:|---:|---|",
         ]
         for r in self.rows:
             mark = " **(chosen)**" if r is self.chosen else ""
             risk = "not measured" if r.risk is None else f"{r.risk:+.4f} ({r.measured})"
+            reach = "never" if r.target_s is None else f"{r.target_s:,.1f} ({r.reach:.0%})"
             head.append(
-                f"| {r.name}{mark} | {r.step_s * 1e3:.1f} | {r.speedup:.2f}x | "
+                f"| {r.name}{mark} | {r.step_s * 1e3:.1f} | {r.speedup:.2f}x | {reach} | "
                 f"{r.link_bytes / 1e6:,.1f} | {r.bytes_ratio:.1f} | {risk} |"
             )
         return "\n".join(head)
-
-
-def _checked_candidates(candidates: Any) -> tuple[Candidate, ...]:
-    if isinstance(candidates, Candidate) or not isinstance(candidates, (list, tuple)):
-        raise TypeError(
-            "plan: candidates must be a list or tuple of lsgd_jax.planner.Candidate, got "
-            f"{candidates!r}; e.g. candidates=[*lsgd_jax.planner.CANDIDATES, mine]."
-        )
-    for c in candidates:
-        if not isinstance(c, Candidate):
-            raise TypeError(f"plan: {c!r} is not a lsgd_jax.planner.Candidate.")
-    if not candidates:
-        raise ValueError("plan: candidates is empty; pass at least one Candidate.")
-    return tuple(candidates)
 
 
 def predict(ledger: Any, link: Link, compute_s: float, flat_link: Link | None = None) -> np.ndarray:
@@ -240,8 +255,9 @@ def plan(
 ) -> Plan:
     """The setup for this link: measures it (and one step's compute) unless given,
     predicts every candidate's step time from the bytes of its compiled programs, and
-    picks the fastest whose measured quality risk is within ``tolerance`` (of those
-    within 2% of it, the one of lowest risk).
+    picks the one predicted to get within ``tolerance`` of a tuned DDP's final loss
+    soonest (its step times over the share of the run its measured quality curve needs;
+    of those within 2% of it, the one of lowest risk).
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> loss``, as for ``data_parallel_step``.
@@ -250,8 +266,8 @@ def plan(
       mesh: the training mesh (``make_mesh(nodes, devices_per_node)``).
       optimizer: the inner optax optimizer (e.g. ``optax.adamw(...)``).
       num_steps: the run's length (the schedules and the bytes are the run's).
-      tolerance: the largest quality risk allowed, nats per byte of final loss against
-        a tuned DDP (the candidates' ``risk``, from docs/lm.md).
+      tolerance: the quality asked for: nats per byte of loss above a tuned DDP's final
+        one (the candidates' ``risk`` and ``curve``, from docs/lm.md).
       link: a ``lsgd_jax.planner.Link`` to use instead of measuring one.
       compute_s: one step's seconds without its communication across nodes, to use
         instead of measuring it (measured: ``measure_compute``'s local step less the
@@ -280,12 +296,12 @@ def plan(
     """
     num_steps = _validate.positive_int(num_steps, "plan: num_steps")
     tolerance = _validate.real_number(tolerance, "plan: tolerance", "0.01")
-    candidates = _checked_candidates(candidates)
+    candidates = checks.checked_candidates(candidates)
     if not any(c.risk is not None and c.risk <= tolerance for c in candidates):
         _none_within(tolerance, {c.name: c.risk for c in candidates})  # before any probe
-    _check_mesh(mesh, node_axis, candidates)
-    _check_inner_optimizer(optimizer, params)
-    _check_one_replica(params)
+    checks.check_mesh(mesh, node_axis, candidates)
+    checks.check_inner_optimizer(optimizer, params)
+    checks.check_one_replica(params)
     link, flat_link, probe = _links(mesh, node_axis, link, flat_link, params)
     inner = tuple(a for a in mesh.axis_names if a != node_axis)
     if compute_s is None:
@@ -300,7 +316,7 @@ def plan(
             f"plan: compute_s is one step's compute in seconds, >= 0; got {compute_s}."
         )
 
-    def predicted(candidate: Candidate) -> tuple[Any, float, int, dict[str, float]]:
+    def predicted(candidate: Candidate) -> tuple[Any, ...]:
         try:
             tx = candidate.make(optimizer, num_steps)
         except Exception as e:
@@ -324,7 +340,7 @@ def plan(
             f"{b:,} B in {n} collective{'s' if n != 1 else ''}": float(t)
             for b, n, t in zip(per_step, counts, seconds)
         }
-        return tx, float(seconds.mean()), int(per_step.sum()), phases
+        return tx, float(seconds.mean()), int(per_step.sum()), phases, _elapsed(seconds)
 
     found = [(c, *predicted(c)) for c in candidates]
     # DDP is the reference of the speed and bytes columns, weighed or not
@@ -361,83 +377,30 @@ def _links(
     return link, flat_link, tuple(timings) + tuple(flat)
 
 
-def _check_mesh(mesh: Any, node_axis: str, candidates: tuple[Candidate, ...]) -> None:
-    if not isinstance(mesh, Mesh) or node_axis not in mesh.axis_names:
-        axes = tuple(mesh.axis_names) if isinstance(mesh, Mesh) else None
-        raise ValueError(
-            f"plan: mesh must be a jax Mesh with the node axis {node_axis!r} (e.g. "
-            f"lsgd_jax.make_mesh(nodes, devices_per_node)), got {mesh!r}"
-            + (f"; pass node_axis= one of {axes}." if axes else ".")
-        )
-    if mesh.shape[node_axis] < 2:
-        raise ValueError(
-            f"plan: the mesh has one node along {node_axis!r}: nothing crosses nodes, so "
-            "there is no link to plan for (DDP is the setup); plan on the real job's mesh."
-        )
-    inner = tuple(a for a in mesh.axis_names if a != node_axis)
-    local = hook.DEFAULT_SUBGROUP[0]
-    if inner == (local,) or not any(c in CANDIDATES for c in candidates):
-        return
-    if node_axis == local:
-        fix = f"the node axis is the other one: node_axis={inner[0]!r}" if inner else ""
-    elif len(inner) == 1:
-        fix = (
-            f"name the axis inside a node {local!r}: jax.sharding.Mesh(mesh.devices, "
-            f"({node_axis!r}, {local!r})), as lsgd_jax.make_mesh does"
-        )
-    else:
-        fix = f"plan on a mesh of two axes, ({node_axis!r}, {local!r}) (lsgd_jax.make_mesh)"
-    raise ValueError(
-        f"plan: the built-in candidates average inside a node over the mesh axis {local!r}; "
-        f"this mesh's axes are {tuple(mesh.axis_names)} with node_axis={node_axis!r}: "
-        f"{fix}; or pass candidates= whose chains name your axes."
-    )
-
-
-def _check_inner_optimizer(optimizer: Any, params: Any) -> None:
-    """The candidates wrap the user's optimizer: one that already averages is refused."""
-    if not isinstance(optimizer, optax.GradientTransformation):
-        raise TypeError(
-            f"plan: optimizer must be an optax GradientTransformation (e.g. "
-            f"optax.adamw(1e-3); for optax.MultiSteps pass its .gradient_transformation()), "
-            f"got {optimizer!r}."
-        )
-    ours = (hook.PostLocalSGDState, averaging.ModelAveragerState)
-    nodes = jax.tree_util.tree_leaves(
-        jax.eval_shape(optimizer.init, params), is_leaf=lambda x: isinstance(x, ours)
-    )
-    if any(isinstance(x, ours) for x in nodes):
-        raise ValueError(
-            "plan: optimizer already holds post_local_sgd or a model averager; pass the "
-            "inner optimizer alone (e.g. optax.adamw(1e-3)): each candidate builds its "
-            "chain around it."
-        )
-
-
-def _check_one_replica(params: Any) -> None:
-    """``params`` is one replica's: a sharded (e.g. ``replicate``-d) array is refused."""
-    for x in jax.tree_util.tree_leaves(params):
-        if isinstance(x, jax.Array) and not x.sharding.is_fully_replicated:
-            raise ValueError(
-                f"plan: params must be one replica's (the model as you initialise it), got "
-                f"an array of shape {x.shape} sharded as {x.sharding}; pass the params from "
-                "before lsgd_jax.replicate."
-            )
+def _elapsed(seconds: np.ndarray, points: int = 1000) -> tuple[float, ...]:
+    """The predicted seconds of the run's first ``j / k`` share, ``j = 0..k`` (``k``: the
+    steps, at most ``points``)."""
+    k = min(len(seconds), points)
+    total = np.concatenate([[0.0], np.cumsum(seconds)])
+    return tuple(float(total[round(j * len(seconds) / k)]) for j in range(k + 1))
 
 
 def _ranked(
     found: list[tuple[Any, ...]], ddp: tuple[Any, ...], num_steps: int, tolerance: float
 ) -> tuple[tuple[Row, ...], tuple[Row, Any]]:
-    """The rows by predicted run time, and the chosen row with its chain: the fastest
-    within the tolerance; of those within ``TIE`` of it (as fast, as far as a prediction
-    can tell), the lowest risk."""
+    """The rows by predicted time to within the tolerance (then the others, by run
+    time), and the chosen row with its chain (``_choose``)."""
     ranked: list[tuple[Row, Any]] = []
-    for candidate, tx, step_s, link_bytes, phases in found:
-        ranked.append((Row(
+    for candidate, tx, step_s, link_bytes, phases, elapsed in found:
+        row = Row(
             candidate.name, step_s, step_s * num_steps, ddp[2] / step_s, link_bytes,
             ddp[3] / max(link_bytes, 1), candidate.risk, candidate.measured, phases,
-        ), tx))  # fmt: skip
-    ranked.sort(key=lambda r: r[0].run_s)
+            candidate=candidate, elapsed_s=elapsed,
+        )  # fmt: skip
+        row = dataclasses.replace(row, reach=candidate.reach(tolerance),
+                                  target_s=row.to_within(tolerance))  # fmt: skip
+        ranked.append((row, tx))
+    ranked.sort(key=lambda r: (r[0].target_s is None, r[0].target_s or r[0].run_s))
     rows = tuple(r[0] for r in ranked)
     chosen = _choose(rows, tolerance)
     return rows, next(r for r in ranked if r[0] is chosen)
@@ -457,10 +420,11 @@ def _none_within(tolerance: float, risks: dict[str, float | None]) -> None:
 
 
 def _choose(rows: Sequence[Row], tolerance: float) -> Row:
-    """Of ``rows`` (fastest first), the fastest within the tolerance; of those within
-    ``TIE`` of it (as fast, as far as a prediction can tell), the lowest risk."""
-    allowed = [r for r in rows if r.risk is not None and r.risk <= tolerance]
+    """Of ``rows``, the one predicted to get within the tolerance soonest; of those
+    within ``TIE`` of it (as fast, as far as a prediction can tell), the lowest risk."""
+    allowed = [(t, r) for r in rows if (t := r.to_within(tolerance)) is not None]
     if not allowed:
         _none_within(tolerance, {r.name: r.risk for r in rows})
-    near = [r for r in allowed if r.run_s <= allowed[0].run_s * (1 + TIE)]
-    return min(near, key=lambda r: (r.risk, r.run_s))
+    fastest = min(t for t, _ in allowed)
+    near = [(t, r) for t, r in allowed if t <= fastest * (1 + TIE)]
+    return min(near, key=lambda tr: (tr[1].risk, tr[0]))[1]

@@ -112,8 +112,21 @@ def test_each_step_is_predicted_from_the_bytes_of_its_program():
     )
     with pytest.raises(TypeError, match="flat_link must be a lsgd_jax.planner.Link"):
         planned(0.05, link=None, flat_link=Link(6.25e6, 0.01))
-    # the ranking is by predicted run time; speed and bytes against DDP
-    assert [r.run_s for r in found.rows] == sorted(r.run_s for r in found.rows)
+    # the ranking: those that get within the tolerance by the predicted time they take to
+    # (the first reach * 300 steps of the run as predicted step by step), then the others
+    within = [r for r in found.rows if r.target_s is not None]
+    assert [r.target_s for r in within] == sorted(r.target_s for r in within)
+    assert found.rows[: len(within)] == tuple(within) and len(within) >= 3
+    assert all(r.risk > 0.05 for r in found.rows[len(within) :])
+    for r in within:
+        tx = next(c for c in CANDIDATES if c.name == r.name).make(optax.sgd(0.1), 300)
+        step = lsgd_jax.data_parallel_step(loss_fn, tx, mesh_2x4())
+        p = lsgd_jax.replicate(jnp.zeros(N), mesh_2x4())
+        s = lsgd_jax.replicate(tx.init(jnp.zeros(N)), mesh_2x4())
+        ledger = lsgd_jax.communication_ledger(step, p, s, jnp.ones((8, N)), num_steps=300)
+        seconds = np.cumsum(lsgd_jax.planner.predict(ledger, SLOW_LINK, 0.01))
+        assert r.target_s == pytest.approx(seconds[round(r.reach * 300) - 1], rel=0.01)
+        assert r.reach == next(c for c in CANDIDATES if c.name == r.name).reach(0.05) < 1
     for r in found.rows:
         assert r.speedup == pytest.approx(ddp.step_s / r.step_s)
         assert r.bytes_ratio == pytest.approx(ddp.link_bytes / r.link_bytes)
@@ -122,8 +135,8 @@ def test_each_step_is_predicted_from_the_bytes_of_its_program():
 
 def test_the_fastest_within_the_tolerance_is_chosen_with_its_chain():
     slow = planned(0.05)
-    fastest = min(r.run_s for r in slow.rows if r.risk <= 0.05)
-    near = [r for r in slow.rows if r.risk <= 0.05 and r.run_s <= fastest * 1.02]
+    fastest = min(r.target_s for r in slow.rows if r.risk <= 0.05)
+    near = [r for r in slow.rows if r.risk <= 0.05 and r.target_s <= fastest * 1.02]
     assert slow.chosen.risk == min(r.risk for r in near) and slow.chosen in near
     assert [line for line in str(slow).splitlines() if "**(chosen)**" in line] == [
         line for line in str(slow).splitlines() if line.startswith(f"| {slow.chosen.name} ")
@@ -131,10 +144,20 @@ def test_the_fastest_within_the_tolerance_is_chosen_with_its_chain():
     strict = planned(0.01)
     assert strict.chosen.risk <= 0.01
     faster_but_risky = [r for r in strict.rows if r.run_s < strict.chosen.run_s]
-    assert all(r.risk > 0.01 for r in faster_but_risky)
+    assert faster_but_risky and all(r.risk > 0.01 for r in faster_but_risky)
+    assert all(r.target_s is None for r in faster_but_risky)
+    assert "| never |" in str(strict).replace(" never |", "| never |")
     assert planned(0.0).chosen.name == "DDP"
+    # a setup that ends within the tolerance but gets there late loses to one as fast a
+    # step that gets there sooner: the time to the tolerance ranks, not the step
+    late = lsgd_jax.planner.Candidate("late", CANDIDATES[2].make, 0.01, "made up", (0.5, 0.01))
+    soon = lsgd_jax.planner.Candidate("soon", CANDIDATES[2].make, 0.04, "made up", (0.04, 0.04))
+    both = planned(0.05, candidates=[late, soon])
+    assert both.chosen.name == "soon" and both.chosen.reach == 0.5
+    assert both.choose(0.02).name == "late"
     # the same plan answers for another tolerance by the same rule
-    assert slow.choose(0.01) == strict.chosen and strict.choose(0.05) == slow.chosen
+    assert slow.choose(0.01).name == strict.chosen.name
+    assert strict.choose(0.05).name == slow.chosen.name
     assert slow.choose(0.0).name == "DDP"
     with pytest.raises(ValueError, match="no candidate is within tolerance=-1"):
         slow.choose(-1)
@@ -212,6 +235,10 @@ def test_what_a_user_gets_wrong_is_named_with_the_fix():
         measure_link(lsgd_jax.make_mesh(1, 8))
     with pytest.raises(ValueError, match="link_bytes and collectives"):
         SLOW_LINK.seconds(-5e6)
+    with pytest.raises(TypeError, match="collectives"):
+        SLOW_LINK.seconds(5e6, collectives=1.5)
+    with pytest.raises(ValueError, match="collectives"):
+        SLOW_LINK.seconds(5e6, collectives=-1)
     with pytest.raises(ValueError, match="max_s .* > 0; got -1"):
         measure_link(mesh, max_s=-1)
     # the candidates wrap the inner optimizer: a chain that already averages is named
