@@ -210,6 +210,35 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def at_link(link: str, script: pathlib.Path, args, wargs: list[str]) -> list[dict] | None:
+    """Both workers of ``script`` (with ``wargs``) on the emulated ``link`` (``RATE`` or
+    ``RATE@RTT``); their JSON records, or None (the reason printed) if it could not run."""
+    rate, _, rtt = link.partition("@")
+    relay = None
+    with sl.signals_raise():
+        try:
+            sl.safe_teardown(args.prefix)
+            if rtt:
+                relay = delay_link.setup(args.prefix, delay_ms=round_trip_ms(rtt) / 2)
+            else:
+                sl.setup(args.prefix)
+            # a burst of 2 ms at the rate (at least 32 KB): slow_link's 256 KB would let
+            # a small average after a few idle steps cross at the veth's own speed
+            burst = max(32_000, int(sl.parse_rate(rate) / 8 * 0.002))
+            sl.set_rate(rate, args.prefix, burst=f"{burst}b")
+            with tempfile.TemporaryDirectory() as tmp:
+                wargs = ["--worker", "--parent", str(os.getpid()), "--out", tmp,
+                         "--prefix", args.prefix, *wargs]  # fmt: skip
+                out = pathlib.Path(tmp)
+                return sl.run_nodes(script, wargs, args, out, f"[{link}] ", f"at {link}: ")
+        except (sl.CannotRun, RuntimeError) as e:
+            print(f"{script.name}: {e}", file=sys.stderr)
+            return None
+        finally:
+            delay_link.stop(relay)
+            sl.safe_teardown(args.prefix)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse(argv)
@@ -221,33 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     command = sl.command_line("plan_link.py", argv)
     results, lines = {}, [f"Command: `{command}`", ""]
     for link in args.rates.split(","):
-        rate, _, rtt = link.partition("@")
-        relay = None
-        with sl.signals_raise():
-            try:
-                sl.safe_teardown(args.prefix)
-                if rtt:
-                    relay = delay_link.setup(args.prefix, delay_ms=round_trip_ms(rtt) / 2)
-                else:
-                    sl.setup(args.prefix)
-                # a burst of 2 ms at the rate (at least 32 KB): slow_link's 256 KB would let
-                # a small average after a few idle steps cross at the veth's own speed
-                burst = max(32_000, int(sl.parse_rate(rate) / 8 * 0.002))
-                sl.set_rate(rate, args.prefix, burst=f"{burst}b")
-                with tempfile.TemporaryDirectory() as tmp:
-                    wargs = ["--worker", "--parent", str(os.getpid()), "--out", tmp,
-                             "--prefix", args.prefix, "--steps", str(args.steps),
-                             "--top", str(args.top), "--dims", args.dims,
-                             "--batch-per-device", str(args.batch_per_device),
-                             "--lr", str(args.lr), "--devices", str(args.devices)]  # fmt: skip
-                    here, out = pathlib.Path(__file__), pathlib.Path(tmp)
-                    workers = sl.run_nodes(here, wargs, args, out, f"[{link}] ", f"at {link}: ")
-            except (sl.CannotRun, RuntimeError) as e:
-                print(f"plan_link.py: {e}", file=sys.stderr)
-                return 1
-            finally:
-                delay_link.stop(relay)
-                sl.safe_teardown(args.prefix)
+        wargs = ["--steps", str(args.steps), "--top", str(args.top), "--dims", args.dims,
+                 "--batch-per-device", str(args.batch_per_device), "--lr", str(args.lr),
+                 "--devices", str(args.devices)]  # fmt: skip
+        workers = at_link(link, pathlib.Path(__file__), args, wargs)
+        if workers is None:
+            return 1
         results[link] = workers[0]
         lines += summarize(link, workers[0]) + [""]
         print("\n".join(summarize(link, workers[0])), flush=True)
