@@ -62,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m lsgd_jax.planner", description=__doc__)
     p.add_argument("--setup", required=True, help="MODULE:FUNCTION returning the inputs")
     p.add_argument("--steps", type=_positive, required=True, help="the run's length")
-    p.add_argument("--tolerance", type=_number(-1.0, True), default=0.01,
+    p.add_argument("--tolerance", type=_number(0.0, False), default=0.01,
                    help="quality risk allowed")  # fmt: skip
     p.add_argument("--nodes", type=_positive, default=None)
     p.add_argument("--devices-per-node", type=_positive, default=None)
@@ -112,11 +112,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     if jax.process_index() == 0:
         print(found)
         if a.json:
-            hidden = ("candidate", "elapsed_s")  # the curve and the cumulative seconds
-            rows = [{k: v for k, v in vars(r).items() if k not in hidden} for r in found.rows]
-            with open(a.json, "w") as f:
-                json.dump({"chosen": found.chosen.name, "rows": rows}, f, indent=1)
+            _write_json(a.json, found)
     sys.stdout.flush()
+
+
+def _write_json(path: str, found: Any) -> None:
+    """The plan's rows and what they were predicted from, as JSON."""
+    hidden = ("candidate", "elapsed_s")  # the curve and the cumulative seconds
+    rows = [{k: v for k, v in vars(r).items() if k not in hidden} for r in found.rows]
+    flat = found.flat_link
+    with open(path, "w") as f:
+        json.dump({
+            "chosen": found.chosen.name, "tolerance": found.tolerance,
+            "link": [found.link.bytes_per_s, found.link.latency_s],
+            "flat_link": None if flat is None else [flat.bytes_per_s, flat.latency_s],
+            "compute_s": found.compute_s, "rows": rows,
+        }, f, indent=1)  # fmt: skip
 
 
 def _mesh(p: argparse.ArgumentParser, nodes: int | None, per_node: int | None) -> Any:

@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import optax
 
 from lsgd_jax import averaging, comm, hook
@@ -53,6 +54,8 @@ class Candidate:
 
     def _checked_curve(self) -> tuple[float, ...]:
         what = f"Candidate {self.name!r}: curve"
+        if isinstance(self.curve, np.ndarray) and self.curve.ndim == 1:
+            object.__setattr__(self, "curve", tuple(self.curve.tolist()))
         if not isinstance(self.curve, (list, tuple)) or not self.curve:
             raise TypeError(f"{what} must be a non-empty tuple of gaps, got {self.curve!r}.")
         curve = tuple(_validate.real_number(g, what, "(0.3, 0.05, 0.01)") for g in self.curve)
@@ -74,15 +77,18 @@ class Candidate:
           >>> round(c.reach(0.1), 4), round(c.reach(0.055), 4), c.reach(0.001)
           (0.6667, 0.8333, None)
         """
+        tolerance = _validate.real_number(tolerance, f"Candidate {self.name!r}: tolerance", "0.01")
         if self.risk is None or self.risk > tolerance:
             return None
         if self.curve is None:
             return 1.0
         n, curve = len(self.curve), self.curve
-        i = next(i for i, g in enumerate(curve) if g <= tolerance)
+        i = next((i for i, g in enumerate(curve) if g <= tolerance), None)
+        if i is None:  # the last point a rounding above the risk: the end reaches it
+            return 1.0
         if i == 0:
             return 1 / n
-        return (i + (curve[i - 1] - tolerance) / (curve[i - 1] - curve[i])) / n
+        return float((i + (curve[i - 1] - tolerance) / (curve[i - 1] - curve[i])) / n)
 
 
 def _switch(num_steps: int, fraction: float) -> int:

@@ -23,6 +23,13 @@ def checked_candidates(candidates: Any) -> tuple[Candidate, ...]:
             raise TypeError(f"plan: {c!r} is not a lsgd_jax.planner.Candidate.")
     if not candidates:
         raise ValueError("plan: candidates is empty; pass at least one Candidate.")
+    names = [c.name for c in candidates]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(
+            f"plan: candidates share the names {twice}; the table and Plan.choose tell them "
+            "apart by name: give each a name of its own."
+        )
     return tuple(candidates)
 
 

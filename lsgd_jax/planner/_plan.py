@@ -117,6 +117,7 @@ class Row:
     def to_within(self, tolerance: float) -> float | None:
         """The predicted seconds until this setup is within ``tolerance`` of a tuned
         DDP's final loss (its candidate's ``reach``), or None: never."""
+        tolerance = _validate.real_number(tolerance, "Row.to_within: tolerance", "0.01")
         if self.candidate is None:
             return self.run_s if self.risk is not None and self.risk <= tolerance else None
         reach = self.candidate.reach(tolerance)
@@ -159,13 +160,17 @@ class Plan:
     flat_link: Link | None = None
 
     def choose(self, tolerance: float) -> Row:
-        """The row this plan would choose at another ``tolerance`` (same rule).
+        """The row this plan would choose at another ``tolerance`` (same rule), its
+        ``reach`` and ``target_s`` at that tolerance. Its chain: ``row.candidate.make(
+        optimizer, num_steps)`` (``tx`` is the plan's own choice's).
 
         Raises:
           ValueError: no candidate is within ``tolerance``.
         """
         tolerance = _validate.real_number(tolerance, "Plan.choose: tolerance", "0.01")
-        return _choose(self.rows, tolerance)
+        row = _choose(self.rows, tolerance, "Plan.choose")
+        reach = None if row.candidate is None else row.candidate.reach(tolerance)
+        return dataclasses.replace(row, reach=reach, target_s=row.to_within(tolerance))
 
     def __str__(self) -> str:
         rate = self.link.bytes_per_s * 8 / 1e6
@@ -344,7 +349,7 @@ def plan(
 
     found = [(c, *predicted(c)) for c in candidates]
     # DDP is the reference of the speed and bytes columns, weighed or not
-    ddp = next((f for f in found if f[0].name == "DDP"), None)
+    ddp = next((f for f in found if f[0] is CANDIDATES[0]), None)
     if ddp is None:
         ddp = (CANDIDATES[0], *predicted(CANDIDATES[0]))
     ranked, (chosen, tx) = _ranked(found, ddp, num_steps, tolerance)
@@ -379,10 +384,11 @@ def _links(
 
 def _elapsed(seconds: np.ndarray, points: int = 1000) -> tuple[float, ...]:
     """The predicted seconds of the run's first ``j / k`` share, ``j = 0..k`` (``k``: the
-    steps, at most ``points``)."""
+    steps, at most ``points``; linear within a step)."""
     k = min(len(seconds), points)
     total = np.concatenate([[0.0], np.cumsum(seconds)])
-    return tuple(float(total[round(j * len(seconds) / k)]) for j in range(k + 1))
+    shares = np.linspace(0.0, len(seconds), k + 1)
+    return tuple(float(t) for t in np.interp(shares, np.arange(len(total)), total))
 
 
 def _ranked(
@@ -406,7 +412,7 @@ def _ranked(
     return rows, next(r for r in ranked if r[0] is chosen)
 
 
-def _none_within(tolerance: float, risks: dict[str, float | None]) -> None:
+def _none_within(tolerance: float, risks: dict[str, float | None], who: str = "plan") -> None:
     """Raises the error for a tolerance that no candidate meets."""
     measured = [r for r in risks.values() if r is not None]
     fix = (
@@ -414,17 +420,17 @@ def _none_within(tolerance: float, risks: dict[str, float | None]) -> None:
         "give your candidates a measured risk (a risk of None is never chosen)"
     )  # fmt: skip
     raise ValueError(
-        f"plan: no candidate is within tolerance={tolerance} (their risks: {risks}); {fix}, "
+        f"{who}: no candidate is within tolerance={tolerance} (their risks: {risks}); {fix}, "
         "or pass candidates= with a setup you trust."
     )
 
 
-def _choose(rows: Sequence[Row], tolerance: float) -> Row:
+def _choose(rows: Sequence[Row], tolerance: float, who: str = "plan") -> Row:
     """Of ``rows``, the one predicted to get within the tolerance soonest; of those
     within ``TIE`` of it (as fast, as far as a prediction can tell), the lowest risk."""
     allowed = [(t, r) for r in rows if (t := r.to_within(tolerance)) is not None]
     if not allowed:
-        _none_within(tolerance, {r.name: r.risk for r in rows})
+        _none_within(tolerance, {r.name: r.risk for r in rows}, who)
     fastest = min(t for t, _ in allowed)
     near = [(t, r) for t, r in allowed if t <= fastest * (1 + TIE)]
     return min(near, key=lambda tr: (tr[1].risk, tr[0]))[1]

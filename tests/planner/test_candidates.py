@@ -56,3 +56,10 @@ def test_a_bad_curve_is_refused_with_the_fix():
         Candidate("c", make, 0.01, "here", curve=())
     with pytest.raises(TypeError, match="curve"):
         Candidate("c", make, 0.01, "here", curve=("0.5", 0.01))
+
+
+def test_a_curve_may_be_a_numpy_array():
+    import numpy as np
+
+    c = Candidate("c", lambda o, n: o, 0.01, "here", curve=np.array([0.5, 0.01]))
+    assert c.curve == (0.5, 0.01) and c.reach(0.01) == 1.0

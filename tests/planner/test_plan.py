@@ -83,9 +83,9 @@ def test_the_probe_times_all_reduces_over_the_node_axis_and_fits_them():
 SLOW_LINK = Link(12.5e6, 0.001)  # 100 Mbit/s, 1 ms a collective
 
 
-def planned(tolerance, link=SLOW_LINK, compute_s=0.01, **kwargs):
+def planned(tolerance, link=SLOW_LINK, compute_s=0.01, num_steps=300, **kwargs):
     loss, params, batch = inputs()
-    return plan(loss, params, batch, mesh_2x4(), optax.sgd(0.1), num_steps=300,
+    return plan(loss, params, batch, mesh_2x4(), optax.sgd(0.1), num_steps=num_steps,
                 tolerance=tolerance, link=link, compute_s=compute_s, **kwargs)  # fmt: skip
 
 
@@ -201,8 +201,10 @@ def test_the_command_prints_the_plan(tmp_path):
     bad = subprocess.run([*cmd[:5], "--steps", "3", "--link-mbit", "100"], capture_output=True,
                          text=True, env=env, timeout=300)  # fmt: skip
     assert bad.returncode == 2 and "--link-mbit and --latency-ms together" in bad.stderr
-    assert np.isfinite([r["step_s"] for r in __import__("json").loads(
-        (tmp_path / "plan.json").read_text())["rows"]]).all()  # fmt: skip
+    written = __import__("json").loads((tmp_path / "plan.json").read_text())
+    assert np.isfinite([r["step_s"] for r in written["rows"]]).all()
+    assert written["tolerance"] == 0.05 and written["link"] == [12.5e6, 0.001]
+    assert written["compute_s"] == 0.01 and "target_s" in written["rows"][0]
 
 
 def call(**kw):
@@ -369,6 +371,7 @@ def test_the_command_names_the_flag_to_fix(tmp_path, monkeypatch, capsys):
         ([*ok, "--compute-ms", "-1"], "--compute-ms: must be a finite number >= 0"),
         ([*ok, "--link-mbit", "inf", "--latency-ms", "1"], "--link-mbit: must be a finite"),
         ([*ok, "--tolerance", "nan"], "--tolerance: must be a finite number"),
+        ([*ok, "--tolerance", "-0.01"], "--tolerance: must be a finite number >= 0"),
         ([*ok, "--json", str(tmp_path)], "give a file in a folder that exists"),
         (["--setup", "nosuch:planner_inputs", "--steps", "30"], "cannot import 'nosuch'"),
         (["--setup", "my_job.py:planner_inputs", "--steps", "30"], "my_job, not my_job.py"),
@@ -381,3 +384,31 @@ def test_the_command_names_the_flag_to_fix(tmp_path, monkeypatch, capsys):
             main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and message in err, (argv, err)
+
+
+def test_what_the_probe_of_the_ranking_broke_is_fixed():
+    h16 = CANDIDATES[5]
+    # a curve whose last point is a rounding above its risk (an np.float32 risk) reaches
+    mine = lsgd_jax.planner.Candidate("mine", h16.make, np.float32(0.01), "u", (0.5, 0.1, 0.01))
+    assert mine.reach(np.float32(0.01)) == 1.0 and type(mine.reach(0.055)) is float
+    found = planned(0.05, candidates=[*CANDIDATES, mine])
+    assert found.choose(np.float32(0.01)).name in {"DDP", mine.name, CANDIDATES[2].name}
+    # choose(t) answers at t; its error is its own
+    strict = found.choose(0.01)
+    assert strict.target_s == pytest.approx(strict.to_within(0.01)) != found.chosen.target_s
+    with pytest.raises(ValueError, match="^Plan.choose: no candidate is within"):
+        found.choose(-1)
+    for bad, error in ((float("nan"), ValueError), (True, TypeError), ("0.1", TypeError)):
+        with pytest.raises(error, match="tolerance"):
+            mine.reach(bad)
+        with pytest.raises(error, match="tolerance"):
+            found.rows[0].to_within(bad)
+    # names tell the rows apart, and DDP's columns are the built-in DDP's
+    with pytest.raises(ValueError, match=r"share the names \['DDP'\]"):
+        planned(0.05, candidates=[CANDIDATES[0], CANDIDATES[0]])
+    fake = lsgd_jax.planner.Candidate("DDP", h16.make, h16.risk, "u", h16.curve)
+    (row,) = planned(0.05, candidates=[fake]).rows
+    assert row.speedup > 1.05 and row.bytes_ratio > 10
+    # a run of 1,001 steps: the time to a share is the share of a constant step's run
+    ddp = planned(0.05, num_steps=1001, candidates=[CANDIDATES[0]]).rows[0]
+    assert ddp.target_s == pytest.approx(ddp.reach * ddp.run_s, rel=1e-9)
