@@ -189,10 +189,10 @@ class Plan:
         for r in self.rows:
             mark = " **(chosen)**" if r is self.chosen else ""
             risk = "not measured" if r.risk is None else f"{r.risk:+.4f} ({r.measured})"
-            reach = "never" if r.target_s is None else f"{r.target_s:,.1f} ({r.reach:.0%})"
+            reach = "never" if r.target_s is None else f"{_short(r.target_s)} ({r.reach:.0%})"
             head.append(
                 f"| {r.name}{mark} | {r.step_s * 1e3:.1f} | {r.speedup:.2f}x | {reach} | "
-                f"{r.link_bytes / 1e6:,.1f} | {r.bytes_ratio:.1f} | {risk} |"
+                f"{_short(r.link_bytes / 1e6)} | {_short(r.bytes_ratio)} | {risk} |"
             )
         return "\n".join(head)
 
@@ -380,6 +380,11 @@ def _links(
         mesh, node_axis=node_axis, axes=tuple(mesh.axis_names), sizes=(1,), like=params
     )
     return link, flat_link, tuple(timings) + tuple(flat)
+
+
+def _short(x: float) -> str:
+    """A table's number: one decimal from 1 up, three significant digits below."""
+    return f"{x:,.1f}" if x >= 1 else f"{x:.3g}"
 
 
 def _elapsed(seconds: np.ndarray, points: int = 1000) -> tuple[float, ...]:

@@ -409,6 +409,9 @@ def test_what_the_probe_of_the_ranking_broke_is_fixed():
     fake = lsgd_jax.planner.Candidate("DDP", h16.make, h16.risk, "u", h16.curve)
     (row,) = planned(0.05, candidates=[fake]).rows
     assert row.speedup > 1.05 and row.bytes_ratio > 10
+    # a run of two steps still shows its times (not "0.0"), a tiny bytes ratio its digits
+    tiny = str(planned(0.05, num_steps=2))
+    assert "| 0.0 (" not in tiny and "| 0.0 |" not in tiny
     # a run of 1,001 steps: the time to a share is the share of a constant step's run
     ddp = planned(0.05, num_steps=1001, candidates=[CANDIDATES[0]]).rows[0]
     assert ddp.target_s == pytest.approx(ddp.reach * ddp.run_s, rel=1e-9)
