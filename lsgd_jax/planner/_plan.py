@@ -376,9 +376,15 @@ def _links(
     link, timings = measure_link(mesh, node_axis=node_axis)
     if mesh.devices.size == mesh.shape[node_axis]:  # one device a node: no flat ring
         return link, None, tuple(timings)
-    flat_link, flat = measure_link(
-        mesh, node_axis=node_axis, axes=tuple(mesh.axis_names), sizes=(1,), like=params
-    )
+    axes = tuple(mesh.axis_names)
+    try:
+        flat_link, flat = measure_link(
+            mesh, node_axis=node_axis, axes=axes, sizes=(1,), like=params
+        )
+    except ValueError:  # small params on a fast link: as fast as one value; a larger size
+        flat_link, flat = measure_link(
+            mesh, node_axis=node_axis, axes=axes, sizes=(1, 1 << 18), like=params
+        )
     return link, flat_link, tuple(timings) + tuple(flat)
 
 

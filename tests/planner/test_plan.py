@@ -415,3 +415,19 @@ def test_what_the_probe_of_the_ranking_broke_is_fixed():
     # a run of 1,001 steps: the time to a share is the share of a constant step's run
     ddp = planned(0.05, num_steps=1001, candidates=[CANDIDATES[0]]).rows[0]
     assert ddp.target_s == pytest.approx(ddp.reach * ddp.run_s, rel=1e-9)
+
+
+def test_a_flat_probe_too_fast_to_fit_is_timed_again_with_a_larger_size(monkeypatch):
+    from lsgd_jax.planner import _plan
+
+    calls = []
+
+    def fake(mesh, *, node_axis, axes=None, sizes=(1, 1024), like=None):
+        calls.append(tuple(sizes))
+        if axes is not None and tuple(sizes) == (1,):  # the params' all-reduce as fast as 1
+            raise ValueError("the timings do not grow with the bytes")
+        return Link(12.5e6, 0.001), [{"values": 1, "link_bytes": 8, "seconds": 0.001}]
+
+    monkeypatch.setattr(_plan, "measure_link", fake)
+    link, flat, probe = _plan._links(mesh_2x4(), "node", None, None, jnp.zeros(N))
+    assert calls == [(1, 1024), (1,), (1, 1 << 18)] and flat == Link(12.5e6, 0.001)
