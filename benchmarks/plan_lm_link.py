@@ -77,18 +77,19 @@ def worker(args) -> None:
 
     say = (lambda msg: print(sl.MARK + msg, flush=True)) if me == 0 else print
     start = time.perf_counter()
-    link, probe = lsgd_jax.planner.measure_link(mesh)
-    flat, _ = lsgd_jax.planner.measure_link(mesh, axes=mesh.axis_names, sizes=(1,), like=params)
-    link_s = time.perf_counter() - start
-    found = lsgd_jax.plan(loss_fn, params, batch(0), mesh, optimizer, num_steps=args.steps,
-                          tolerance=1.0, link=link, flat_link=flat)  # fmt: skip
-    plan_s = time.perf_counter() - start
+    found = lsgd_jax.plan(
+        loss_fn, params, batch(0), mesh, optimizer, num_steps=args.steps, tolerance=1.0
+    )  # the link, the compute, each kind of step measured
+    plan_s, link_s = time.perf_counter() - start, found.probe_s
+    link, flat, probe = found.link, found.flat_link, found.probe
     say(f"links {link_s:.1f} s, the whole plan {plan_s:.1f} s\n{found}")
     runs = []
     for c in CANDIDATES:
         runs.append(time_candidate(c, args, loss_fn, params, optimizer, mesh, batch))
         row = next(r for r in found.rows if r.name == c.name)
-        runs[-1].update(predicted_step_s=row.step_s, predicted_elapsed_s=row.elapsed_s)
+        runs[-1].update(predicted_step_s=row.step_s, predicted_elapsed_s=row.elapsed_s,
+                        predicted_phase_s=row.phase_step_s, timed_phases=row.timed_phases,
+                        phase_compute_s=row.phase_compute_s)  # fmt: skip
         mean = runs[-1]["mean_s"]
         say(f"{c.name}: predicted {row.step_s * 1e3:.1f} ms, measured {mean * 1e3:.1f} ms "
             f"a step (medians {runs[-1]['median_s']})")  # fmt: skip

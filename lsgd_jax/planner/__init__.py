@@ -4,12 +4,12 @@ compiled programs, and the fastest within a quality tolerance returned as a chai
 
 from lsgd_jax.planner._candidates import CANDIDATES as CANDIDATES  # the default setups
 from lsgd_jax.planner._candidates import Candidate
+from lsgd_jax.planner._compute import measure_compute
 from lsgd_jax.planner._link import Link
 from lsgd_jax.planner._link import fit
 from lsgd_jax.planner._link import measure_link
 from lsgd_jax.planner._plan import Plan
 from lsgd_jax.planner._plan import Row
-from lsgd_jax.planner._plan import measure_compute
 from lsgd_jax.planner._plan import plan
 from lsgd_jax.planner._plan import predict
 

@@ -5,7 +5,8 @@ table for a job script's first minute.
 ``loss_fn``, ``params``, ``batch`` and ``optimizer`` (as :func:`lsgd_jax.plan` takes
 them); the mesh is ``make_mesh(--nodes, --devices-per-node)`` (default: every process a
 node, its local devices the node's). ``--link-mbit`` and ``--latency-ms`` give the link
-instead of measuring it, ``--compute-ms`` the compute. With ``--distributed`` it calls
+instead of measuring it, ``--compute-ms`` the compute (then no kind of step is timed;
+``--phase-budget-s`` bounds that timing). With ``--distributed`` it calls
 ``jax.distributed.initialize()`` first (every process runs it; process 0 prints).
 """
 
@@ -71,6 +72,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--latency-ms", type=_number(0.0, False), default=None)
     p.add_argument("--compute-ms", type=_number(0.0, False), default=None,
                    help="skip the compute probe")  # fmt: skip
+    p.add_argument("--phase-budget-s", type=_number(0.0, False), default=60.0,
+                   help="seconds to spend timing each kind of step (0: none)")  # fmt: skip
     p.add_argument("--distributed", action="store_true", help="jax.distributed.initialize()")
     p.add_argument("--json", default=None, help="also write the rows to this file")
     a = p.parse_args(argv)
@@ -106,6 +109,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         found = lsgd_jax.plan(
             inputs["loss_fn"], inputs["params"], inputs["batch"], mesh, inputs["optimizer"],
             num_steps=a.steps, tolerance=a.tolerance, link=link, compute_s=compute,
+            phase_budget_s=a.phase_budget_s,
         )  # fmt: skip
     except (ValueError, TypeError) as e:
         p.error(f"--setup {a.setup}: {e}")

@@ -4,77 +4,23 @@ and compute and the bytes of its compiled programs, ranked, and the chosen chain
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from lsgd_jax import hook, step
 from lsgd_jax import mesh as mesh_room
+from lsgd_jax import step
 from lsgd_jax._core import _validate
 from lsgd_jax.planner import _checks as checks
+from lsgd_jax.planner import _compute
 from lsgd_jax.planner._candidates import CANDIDATES, Candidate
-from lsgd_jax.planner._link import Link, measure_link, slowest
+from lsgd_jax.planner._link import Link, measure_link
 
 TIE = 0.02  # predicted run times this close count as equal
-
-
-def measure_compute(
-    loss_fn: Callable[..., Any],
-    params: Any,
-    batch: Any,
-    mesh: Mesh,
-    optimizer: Any,
-    *,
-    repeats: int = 10,
-    clock: Callable[[], float] = time.perf_counter,
-) -> float:
-    """Seconds of one step's compute: the local phase of post-local SGD (gradients
-    averaged inside each node only, as the candidates' local steps do; the loss mean
-    across nodes that every step reports included), compiled once, run three times to
-    warm up, then the median of ``repeats`` timed steps (the largest over the
-    processes: every process plans alike).
-
-    Example:
-      >>> import jax.numpy as jnp, optax, lsgd_jax
-      >>> from lsgd_jax.planner import measure_compute
-      >>> seconds = measure_compute(lambda p, b: jnp.mean((b @ p) ** 2), jnp.zeros(64),
-      ...     jnp.ones((8, 64)), lsgd_jax.make_mesh(2, 4), optax.sgd(0.1), repeats=2)
-      >>> 0 < seconds < 10
-      True
-    """
-    repeats = _validate.positive_int(repeats, "measure_compute: repeats")
-    return _timed(*_local_step(loss_fn, params, batch, mesh, optimizer), batch, repeats, clock)
-
-
-def _local_step(
-    loss_fn: Callable[..., Any], params: Any, batch: Any, mesh: Mesh, optimizer: Any
-) -> tuple[Any, Any, Any]:
-    """The step ``measure_compute`` times (post-local SGD's local phase), and its inputs."""
-    tx = optax.chain(hook.post_local_sgd(0), optimizer)
-    local = step.data_parallel_step(loss_fn, tx, mesh)
-    return local, mesh_room.replicate(params, mesh), mesh_room.replicate(tx.init(params), mesh)
-
-
-def _timed(
-    local: Any, p: Any, s: Any, batch: Any, repeats: int, clock: Callable[[], float]
-) -> float:
-    """The median of ``repeats`` timed calls after three untimed ones."""
-    for _ in range(3):
-        p, s, _ = local(p, s, batch)
-    jax.block_until_ready(p)
-    times = []
-    for _ in range(repeats):
-        start = clock()
-        p, s, _ = local(p, s, batch)
-        jax.block_until_ready(p)
-        times.append(clock() - start)
-    return slowest(statistics.median(times))  # the processes agree, so choose alike
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +44,10 @@ class Row:
       candidate: the :class:`Candidate`.
       elapsed_s: the predicted seconds of the run's first ``j / (len - 1)`` share, for
         each ``j`` (``to_within`` reads it).
+      phase_compute_s: each kind of step's compute (keys as ``phase_step_s``): its
+        program timed on the mesh less its predicted link seconds, or the plan's
+        ``compute_s`` where it was not timed.
+      timed_phases: the kinds of step that were timed.
     """
 
     name: str
@@ -113,6 +63,8 @@ class Row:
     target_s: float | None = None
     candidate: Candidate | None = dataclasses.field(default=None, hash=False, repr=False)
     elapsed_s: tuple[float, ...] = dataclasses.field(default=(), hash=False, repr=False)
+    phase_compute_s: dict[str, float] = dataclasses.field(default_factory=dict, hash=False)
+    timed_phases: tuple[str, ...] = ()
 
     def to_within(self, tolerance: float) -> float | None:
         """The predicted seconds until this setup is within ``tolerance`` of a tuned
@@ -146,6 +98,7 @@ class Plan:
       tx: the chosen chain (the user's optimizer inside).
       tolerance: the quality risk allowed (nats per byte).
       probe: the link probe's timings (empty when the link was given).
+      probe_s: the link probe's seconds, wall clock (0 when the link was given).
       flat_link: the link as fitted for one all-reduce over every device (None: the
         link was given, or a node has one device).
     """
@@ -158,6 +111,7 @@ class Plan:
     tolerance: float
     probe: tuple[dict[str, Any], ...] = dataclasses.field(default=(), hash=False)
     flat_link: Link | None = None
+    probe_s: float = 0.0
 
     def choose(self, tolerance: float) -> Row:
         """The row this plan would choose at another ``tolerance`` (same rule), its
@@ -181,7 +135,8 @@ class Plan:
         )  # fmt: skip
         head = [
             f"link: {rate:,.1f} Mbit/s, {self.link.latency_s * 1e3:.3f} ms a collective{also}; "
-            f"compute {self.compute_s * 1e3:.1f} ms a step; tolerance {self.tolerance}",
+            f"compute {self.compute_s * 1e3:.1f} ms a local step{_timed_kinds(self.rows)}; "
+            f"tolerance {self.tolerance}",
             f"| setup | step (ms) | speed over DDP | to within {self.tolerance} (s, share of "
             "the run) | node-link MB, run | DDP's bytes / its | quality risk (nats/byte) |",
             "|---|---:|---:|---:|---:|---:|---|",
@@ -197,14 +152,17 @@ class Plan:
         return "\n".join(head)
 
 
-def predict(ledger: Any, link: Link, compute_s: float, flat_link: Link | None = None) -> np.ndarray:
+def predict(
+    ledger: Any, link: Link, compute_s: float | Mapping[Any, float], flat_link: Link | None = None
+) -> np.ndarray:
     """Each step's predicted seconds: compute, then each collective across nodes waits
     the link's latency and its bytes cross at the link's rate (no overlap).
 
     Args:
       ledger: the run's ``communication_ledger``.
       link: the link, as fitted for collectives over the node axis.
-      compute_s: a step's seconds without what it spends across nodes.
+      compute_s: a step's seconds without what it spends across nodes; or
+        ``{phase: seconds}`` for each of ``ledger.phases``, a kind of step's own.
       flat_link: the link as fitted for one collective over every device (a flat
         gradient mean's ring waits the link at more hops); None: ``link``.
 
@@ -225,11 +183,26 @@ def predict(ledger: Any, link: Link, compute_s: float, flat_link: Link | None = 
     for name, value in (("link", link), ("flat_link", flat_link)):
         if not (isinstance(value, Link) or (name == "flat_link" and value is None)):
             raise TypeError(f"predict: {name} must be a lsgd_jax.planner.Link, got {value!r}.")
+    if isinstance(compute_s, Mapping):
+        missing = [k for k in ledger.phases if k not in compute_s]
+        if missing:
+            raise ValueError(
+                f"predict: compute_s has no seconds for the ledger's phases {missing}; give "
+                f"one for each of {list(ledger.phases)}, or one number for all."
+            )
+        compute = {k: _seconds(compute_s[k]) for k in ledger.phases}
+    else:
+        compute = dict.fromkeys(ledger.phases, _seconds(compute_s))
+    seconds = {k: _link_seconds(phase, link, flat_link) for k, phase in ledger.phases.items()}
+    return np.array([compute[k] + seconds[k] for k in ledger.steps])
+
+
+def _seconds(compute_s: Any) -> float:
+    """``compute_s`` checked: a number of seconds, >= 0."""
     compute_s = _validate.real_number(compute_s, "predict: compute_s", "0.05")
     if compute_s < 0:
         raise ValueError(f"predict: compute_s is seconds, >= 0; got {compute_s}.")
-    seconds = {k: _link_seconds(phase, link, flat_link) for k, phase in ledger.phases.items()}
-    return np.array([compute_s + seconds[k] for k in ledger.steps])
+    return compute_s
 
 
 def _link_seconds(phase: Any, link: Link, flat_link: Link | None = None) -> float:
@@ -257,6 +230,7 @@ def plan(
     candidates: Sequence[Candidate] = CANDIDATES,
     node_axis: str = "node",
     flat_link: Link | None = None,
+    phase_budget_s: float = 60.0,
 ) -> Plan:
     """The setup for this link: measures it (and one step's compute) unless given,
     predicts every candidate's step time from the bytes of its compiled programs, and
@@ -281,6 +255,9 @@ def plan(
       node_axis: the mesh axis across nodes.
       flat_link: with ``link``: the link as one all-reduce over every device sees it
         (measured with the link; None: ``link``).
+      phase_budget_s: with link and compute measured: predicted seconds to spend timing
+        each kind of step (its compute: its time less its link's; one predicted over 2 s,
+        or past the budget, gets the local step's compute). 0: none timed.
 
     Returns:
       A ``lsgd_jax.planner.Plan``; ``print(plan)`` shows the table, ``plan.tx`` is the chosen chain.
@@ -301,51 +278,50 @@ def plan(
     """
     num_steps = _validate.positive_int(num_steps, "plan: num_steps")
     tolerance = _validate.real_number(tolerance, "plan: tolerance", "0.01")
+    phase_budget_s = _validate.real_number(phase_budget_s, "plan: phase_budget_s", "60.0")
+    if not phase_budget_s >= 0:
+        raise ValueError(f"plan: phase_budget_s is seconds, >= 0; got {phase_budget_s}.")
     candidates = checks.checked_candidates(candidates)
     if not any(c.risk is not None and c.risk <= tolerance for c in candidates):
         _none_within(tolerance, {c.name: c.risk for c in candidates})  # before any probe
     checks.check_mesh(mesh, node_axis, candidates)
     checks.check_inner_optimizer(optimizer, params)
     checks.check_one_replica(params)
+    timing = link is None and compute_s is None  # the mesh's own link: its steps timed
+    started = time.perf_counter()
     link, flat_link, probe = _links(mesh, node_axis, link, flat_link, params)
+    probe_s = time.perf_counter() - started if probe else 0.0
     inner = tuple(a for a in mesh.axis_names if a != node_axis)
     if compute_s is None:
         # a local step, less what its loss mean across nodes waits on the link
-        local, p, s = _local_step(loss_fn, params, batch, mesh, optimizer)
+        local, p, s = _compute.local_step(loss_fn, params, batch, mesh, optimizer)
         own = step.communication_ledger(local, p, s, batch, num_steps=1, inner_axes=inner)
         paid = _link_seconds(own.phases[own.steps[0]], link, flat_link)
-        compute_s = max(_timed(local, p, s, batch, 20, time.perf_counter) - paid, 0.0)
+        compute_s = max(_compute.timed(local, (p, s, batch), 20) - paid, 0.0)
     compute_s = _validate.real_number(compute_s, "plan: compute_s", "0.05")
     if compute_s < 0:
         raise ValueError(
             f"plan: compute_s is one step's compute in seconds, >= 0; got {compute_s}."
         )
+    budget = [phase_budget_s if timing else 0.0]
 
     def predicted(candidate: Candidate) -> tuple[Any, ...]:
-        try:
-            tx = candidate.make(optimizer, num_steps)
-        except Exception as e:
-            raise RuntimeError(
-                f"plan: candidate {candidate.name!r}: make(optimizer, num_steps) raised "
-                f"{type(e).__name__}: {e}"
-            ) from e
-        if not isinstance(tx, optax.GradientTransformation):
-            raise TypeError(
-                f"plan: candidate {candidate.name!r}: make(optimizer, num_steps) must return "
-                f"an optax chain, got {tx!r}."
-            )
+        tx = _made(candidate, optimizer, num_steps)
         built = step.data_parallel_step(loss_fn, tx, mesh)
         p, s = mesh_room.replicate(params, mesh), mesh_room.replicate(tx.init(params), mesh)
-        ledger = step.communication_ledger(
-            built, p, s, batch, num_steps=num_steps, inner_axes=inner
-        )
-        seconds = predict(ledger, link, compute_s, flat_link)
+        args = (p, s, batch)
+        ledger = step.communication_ledger(built, *args, num_steps=num_steps, inner_axes=inner)
+        link_s = {k: _link_seconds(ph, link, flat_link) for k, ph in ledger.phases.items()}
+        timed, budget[0] = _compute.phase_compute(built, args, ledger, link_s, budget[0],
+                                                  compute_s)  # fmt: skip
+        compute = {k: timed.get(k, compute_s) for k in ledger.phases}
+        seconds = predict(ledger, link, compute, flat_link)
         per_step, counts = ledger.link_per_step(), ledger.collectives("across")
-        phases = {
-            f"{b:,} B in {n} collective{'s' if n != 1 else ''}": float(t)
-            for b, n, t in zip(per_step, counts, seconds)
-        }
-        return tx, float(seconds.mean()), int(per_step.sum()), phases, _elapsed(seconds)
+        names = _phase_names(ledger.steps, per_step, counts)
+        phases = {names[k]: float(compute[k] + link_s[k]) for k in ledger.phases}
+        computes = {names[k]: float(compute[k]) for k in ledger.phases}
+        mean, total = float(seconds.mean()), int(per_step.sum())
+        return tx, mean, total, phases, _elapsed(seconds), computes, tuple(names[k] for k in timed)
 
     found = [(c, *predicted(c)) for c in candidates]
     # DDP is the reference of the speed and bytes columns, weighed or not
@@ -353,7 +329,36 @@ def plan(
     if ddp is None:
         ddp = (CANDIDATES[0], *predicted(CANDIDATES[0]))
     ranked, (chosen, tx) = _ranked(found, ddp, num_steps, tolerance)
-    return Plan(link, compute_s, ranked, chosen, tx, tolerance, probe, flat_link)
+    return Plan(link, compute_s, ranked, chosen, tx, tolerance, probe, flat_link, probe_s)
+
+
+def _phase_names(steps: Sequence[Any], per_step: Any, counts: Any) -> dict[Any, str]:
+    """``{phase: "<link bytes> B in <n> collectives"}`` (its index added where two kinds
+    of step send alike)."""
+    names: dict[Any, str] = {}
+    for k, b, n in zip(steps, per_step, counts):
+        names.setdefault(k, f"{b:,} B in {n} collective{'s' if n != 1 else ''}")
+    for k, name in names.items():
+        if list(names.values()).count(name) > 1:
+            names[k] = f"{name} (phase {k})"
+    return names
+
+
+def _made(candidate: Candidate, optimizer: Any, num_steps: int) -> Any:
+    """``candidate.make(optimizer, num_steps)``, its failure named."""
+    try:
+        tx = candidate.make(optimizer, num_steps)
+    except Exception as e:
+        raise RuntimeError(
+            f"plan: candidate {candidate.name!r}: make(optimizer, num_steps) raised "
+            f"{type(e).__name__}: {e}"
+        ) from e
+    if not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(
+            f"plan: candidate {candidate.name!r}: make(optimizer, num_steps) must return "
+            f"an optax chain, got {tx!r}."
+        )
+    return tx
 
 
 def _links(
@@ -388,6 +393,13 @@ def _links(
     return link, flat_link, tuple(timings) + tuple(flat)
 
 
+def _timed_kinds(rows: Sequence[Row]) -> str:
+    """How many kinds of step the plan timed on the mesh, for the table's head."""
+    timed = sum(len(r.timed_phases) for r in rows)
+    kinds = sum(len(r.phase_step_s) for r in rows)
+    return f" ({timed} of {kinds} kinds of step timed on the mesh)" if timed else ""
+
+
 def _short(x: float) -> str:
     """A table's number: one decimal from 1 up, three significant digits below."""
     return f"{x:,.1f}" if x >= 1 else f"{x:.3g}"
@@ -408,11 +420,12 @@ def _ranked(
     """The rows by predicted time to within the tolerance (then the others, by run
     time), and the chosen row with its chain (``_choose``)."""
     ranked: list[tuple[Row, Any]] = []
-    for candidate, tx, step_s, link_bytes, phases, elapsed in found:
+    for candidate, tx, step_s, link_bytes, phases, elapsed, computes, timed in found:
         row = Row(
             candidate.name, step_s, step_s * num_steps, ddp[2] / step_s, link_bytes,
             ddp[3] / max(link_bytes, 1), candidate.risk, candidate.measured, phases,
-            candidate=candidate, elapsed_s=elapsed,
+            candidate=candidate, elapsed_s=elapsed, phase_compute_s=computes,
+            timed_phases=timed,
         )  # fmt: skip
         row = dataclasses.replace(row, reach=candidate.reach(tolerance),
                                   target_s=row.to_within(tolerance))  # fmt: skip

@@ -205,6 +205,9 @@ def test_the_command_prints_the_plan(tmp_path):
     assert np.isfinite([r["step_s"] for r in written["rows"]]).all()
     assert written["tolerance"] == 0.05 and written["link"] == [12.5e6, 0.001]
     assert written["compute_s"] == 0.01 and "target_s" in written["rows"][0]
+    # the compute given: no kind of step timed, each charged the compute given
+    assert written["rows"][0]["timed_phases"] == []
+    assert set(written["rows"][0]["phase_compute_s"].values()) == {0.01}
 
 
 def call(**kw):
@@ -281,9 +284,9 @@ def test_the_probe_takes_an_explicit_mesh():
 def test_the_measured_compute_leaves_out_the_loss_mean_across_nodes(monkeypatch):
     """A local step (timed at 50 ms here) averages its loss across nodes in one flat
     collective: the compute is the step less that collective's predicted time."""
-    import lsgd_jax.planner._plan as plan_module
+    import lsgd_jax.planner._compute as plan_module
 
-    monkeypatch.setattr(plan_module, "_timed", lambda *args: 0.05)
+    monkeypatch.setattr(plan_module, "timed", lambda *args, **kwargs: 0.05)
     loss, params, batch = inputs()
     found = plan(loss, params, batch, mesh_2x4(), optax.sgd(0.1), num_steps=30,
                  link=Link(1e12, 0.001), flat_link=Link(1e12, 0.004))  # fmt: skip
@@ -372,6 +375,7 @@ def test_the_command_names_the_flag_to_fix(tmp_path, monkeypatch, capsys):
         ([*ok, "--link-mbit", "inf", "--latency-ms", "1"], "--link-mbit: must be a finite"),
         ([*ok, "--tolerance", "nan"], "--tolerance: must be a finite number"),
         ([*ok, "--tolerance", "-0.01"], "--tolerance: must be a finite number >= 0"),
+        ([*ok, "--phase-budget-s", "-5"], "--phase-budget-s: must be a finite number >= 0"),
         ([*ok, "--json", str(tmp_path)], "give a file in a folder that exists"),
         (["--setup", "nosuch:planner_inputs", "--steps", "30"], "cannot import 'nosuch'"),
         (["--setup", "my_job.py:planner_inputs", "--steps", "30"], "my_job, not my_job.py"),

@@ -1,6 +1,7 @@
-"""lsgd_jax.plan in a job of two processes: each measures the link and the compute with
-its own clock, yet both must fit the same link and choose the same setup (else they
-would build different steps, whose collectives never meet)."""
+"""lsgd_jax.plan in a job of two processes: each measures the link, the compute and each
+kind of step with its own clock, yet both must fit the same link, time the same steps
+and choose the same setup (else they would build different steps, whose collectives
+never meet)."""
 
 import json
 import sys
@@ -31,7 +32,9 @@ WORKER = textwrap.dedent(
     json.dump({"link": [found.link.bytes_per_s, found.link.latency_s],
                "flat": [found.flat_link.bytes_per_s, found.flat_link.latency_s],
                "compute_s": found.compute_s, "chosen": found.chosen.name,
-               "order": [r.name for r in found.rows]}, open(f"{out}/plan{me}.json", "w"))
+               "order": [r.name for r in found.rows],
+               "phases": {r.name: [r.phase_compute_s, r.timed_phases] for r in found.rows}},
+              open(f"{out}/plan{me}.json", "w"))
     """
 )
 
@@ -49,3 +52,6 @@ def test_both_processes_fit_the_same_link_and_choose_the_same_setup(tmp_path):
     plans = [json.loads((tmp_path / f"plan{i}.json").read_text()) for i in range(2)]
     assert plans[0] == plans[1]
     assert plans[0]["link"][0] > 0 and plans[0]["compute_s"] >= 0
+    # each kind of step timed on the mesh, the same agreed seconds in both processes
+    for computes, timed in plans[0]["phases"].values():
+        assert sorted(timed) == sorted(computes) and min(computes.values()) >= 0

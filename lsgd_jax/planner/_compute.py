@@ -1,0 +1,119 @@
+"""A step's compute on the user's mesh: the local phase of post-local SGD timed, and each
+candidate's kinds of step timed from their compiled programs."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+from jax.sharding import Mesh
+
+from lsgd_jax import hook, step
+from lsgd_jax import mesh as mesh_room
+from lsgd_jax._core import _validate
+from lsgd_jax.planner._link import slowest
+
+PHASE_WARM, PHASE_REPEATS = 2, 5  # a kind of step: untimed calls, then timed ones
+PHASE_CAP_S = 2.0  # a kind of step predicted slower than this is not timed
+
+
+def measure_compute(
+    loss_fn: Callable[..., Any],
+    params: Any,
+    batch: Any,
+    mesh: Mesh,
+    optimizer: Any,
+    *,
+    repeats: int = 10,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Seconds of one step's compute: the local phase of post-local SGD (gradients
+    averaged inside each node only, as the candidates' local steps do; the loss mean
+    across nodes that every step reports included), compiled once, run three times to
+    warm up, then the median of ``repeats`` timed steps (the largest over the
+    processes: every process plans alike).
+
+    Example:
+      >>> import jax.numpy as jnp, optax, lsgd_jax
+      >>> from lsgd_jax.planner import measure_compute
+      >>> seconds = measure_compute(lambda p, b: jnp.mean((b @ p) ** 2), jnp.zeros(64),
+      ...     jnp.ones((8, 64)), lsgd_jax.make_mesh(2, 4), optax.sgd(0.1), repeats=2)
+      >>> 0 < seconds < 10
+      True
+    """
+    repeats = _validate.positive_int(repeats, "measure_compute: repeats")
+    local, p, s = local_step(loss_fn, params, batch, mesh, optimizer)
+    return timed(local, (p, s, batch), repeats, clock=clock)
+
+
+def local_step(
+    loss_fn: Callable[..., Any], params: Any, batch: Any, mesh: Mesh, optimizer: Any
+) -> tuple[Any, Any, Any]:
+    """The step ``measure_compute`` times (post-local SGD's local phase), and its inputs."""
+    tx = optax.chain(hook.post_local_sgd(0), optimizer)
+    local = step.data_parallel_step(loss_fn, tx, mesh)
+    return local, mesh_room.replicate(params, mesh), mesh_room.replicate(tx.init(params), mesh)
+
+
+def timed(
+    call: Any,
+    args: tuple,
+    repeats: int,
+    warm: int = 3,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """The median seconds of ``repeats`` calls of ``call(*args)`` after ``warm`` untimed
+    ones, each call fed the previous one's outputs in place of its arguments (the params
+    and states it donates) and timed until all of them are ready; the largest median
+    over the processes (they agree, so they choose alike)."""
+    args, times = tuple(args), []
+    for i in range(warm + repeats):
+        start = clock()
+        out = call(*args)
+        jax.block_until_ready(out)
+        if i >= warm:
+            times.append(clock() - start)
+        args = tuple(out[: len(args) - 1]) + args[-1:]  # the batch stays
+    return slowest(statistics.median(times))
+
+
+def phase_compute(
+    built: Any, args: tuple, ledger: Any, link_s: dict[Any, float], budget_s: float,
+    compute_s: float,
+) -> tuple[dict[Any, float], float]:  # fmt: skip
+    """Each kind of step's compute: its compiled program (as the ledger compiled it)
+    timed on the mesh, less its predicted seconds on the link (``link_s``), at least 0.
+
+    A kind is timed while its predicted step (``compute_s`` plus its link seconds) is
+    at most ``PHASE_CAP_S`` and its calls fit the ``budget_s`` left; the others are
+    left out (the caller charges them ``compute_s``). Every process decides alike: from
+    the predictions, never from its own clock.
+
+    Returns:
+      ``({phase: compute seconds}, budget_s left)``.
+    """
+    if budget_s <= 0:
+        return {}, budget_s
+    programs = dict(built.programs_of(*args, num_steps=len(ledger.steps)))
+    if set(ledger.phases) != set(programs) and len(programs) == len(ledger.phases) == 1:
+        programs = {next(iter(ledger.phases)): next(iter(programs.values()))}  # DDP's
+    found: dict[Any, float] = {}
+    for phase in ledger.phases:
+        cost = (compute_s + link_s[phase]) * (PHASE_WARM + PHASE_REPEATS)
+        if phase not in programs or compute_s + link_s[phase] > PHASE_CAP_S or cost > budget_s:
+            continue
+        budget_s -= cost
+        jit_args = built.jit_args(*_fresh(args))  # a timed call donates them
+        seconds = timed(programs[phase], jit_args, PHASE_REPEATS, PHASE_WARM)
+        found[phase] = max(seconds - link_s[phase], 0.0)
+    return found, budget_s
+
+
+def _fresh(args: tuple) -> tuple:
+    """Copies of the step's arguments (a timed call donates its params and state)."""
+    return tuple(jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, a)
+                 for a in args)  # fmt: skip
