@@ -84,13 +84,11 @@ def worker(args) -> None:
     params, optimizer = mlp(0), optax.adam(args.lr)
     say = (lambda msg: print(sl.MARK + msg, flush=True)) if jax.process_index() == 0 else print
     start = time.perf_counter()
-    link, probe = lsgd_jax.planner.measure_link(mesh)  # what plan() measures, timed apart
-    flat, flat_probe = lsgd_jax.planner.measure_link(mesh, axes=mesh.axis_names, sizes=(1,),
-                                                     like=params)  # fmt: skip
-    link_s = time.perf_counter() - start
-    found = lsgd_jax.plan(loss_fn, params, batch(0), mesh, optimizer, num_steps=args.steps,
-                          tolerance=1.0, link=link, flat_link=flat)  # fmt: skip
-    plan_s, compute = time.perf_counter() - start, found.compute_s
+    found = lsgd_jax.plan(
+        loss_fn, params, batch(0), mesh, optimizer, num_steps=args.steps, tolerance=1.0
+    )  # the link, the compute, each kind of step measured
+    plan_s, compute, link_s = time.perf_counter() - start, found.compute_s, found.probe_s
+    link, flat, probe = found.link, found.flat_link, found.probe
     say(f"links {link_s:.1f} s: {link.bytes_per_s * 8 / 1e6:,.1f} Mbit/s, "
         f"{link.latency_s * 1e3:.3f} ms; flat {flat.bytes_per_s * 8 / 1e6:,.1f} Mbit/s, "
         f"{flat.latency_s * 1e3:.3f} ms; compute {compute * 1e3:.1f} ms; "
@@ -103,7 +101,9 @@ def worker(args) -> None:
     measured = []
     for name in chosen:
         tx = by_name[name].make(optimizer, args.steps)
-        step = lsgd_jax.data_parallel_step(loss_fn, tx, mesh)
+        # compile_ahead=0: nothing compiles in the background while steps are timed (DDP's
+        # last calls would compile the local phase after its run, into the timed pass)
+        step = lsgd_jax.data_parallel_step(loss_fn, tx, mesh, compile_ahead=0)
         p, s = lsgd_jax.replicate(params, mesh), lsgd_jax.replicate(tx.init(params), mesh)
         step.compile(p, s, batch(0), num_steps=args.steps)
         # the first calls of each phase dispatch more than a step: the run goes once
@@ -118,15 +118,16 @@ def worker(args) -> None:
                 b = jax.block_until_ready(batch(i))  # the teacher's forward is not the step's
                 t = time.perf_counter()
                 p, s, loss = step(p, s, b)
-                losses.append(float(loss))
+                jax.block_until_ready((p, s, loss))  # all of the step: its update and averages
                 times.append(time.perf_counter() - t)
+                losses.append(float(loss))
         measured.append({"name": name, "step_s": times, "loss": losses,
                          "predicted_step_s": predicted.step_s, "risk": predicted.risk,
                          "link_bytes": predicted.link_bytes})  # fmt: skip
         say(f"{name}: predicted {predicted.step_s * 1e3:.1f} ms, measured "
             f"{np.mean(times) * 1e3:.1f} ms")  # fmt: skip
     out = {"link": [link.bytes_per_s, link.latency_s], "probe": probe, "link_s": link_s,
-           "flat_link": [flat.bytes_per_s, flat.latency_s], "flat_probe": flat_probe,
+           "flat_link": [flat.bytes_per_s, flat.latency_s],  # probe: node axis, then flat
            "picks": picks, "top": [r.name for r in found.rows[: args.top]],
            "plan_s": plan_s, "compute_s": compute, "chosen": found.chosen.name,
            "runs": measured}  # fmt: skip

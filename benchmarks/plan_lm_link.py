@@ -108,7 +108,9 @@ def time_candidate(c, args, loss_fn, params, optimizer, mesh, batch) -> dict:
 
     def built(num_steps):
         tx = c.make(optimizer, num_steps)
-        step = lsgd_jax.data_parallel_step(loss_fn, tx, mesh)
+        # compile_ahead=0: no phase past the timed steps compiles in the background (a
+        # run built for 20 steps of DDP would compile its local phase during the timing)
+        step = lsgd_jax.data_parallel_step(loss_fn, tx, mesh, compile_ahead=0)
         p, s = lsgd_jax.replicate(params, mesh), lsgd_jax.replicate(tx.init(params), mesh)
         return tx, step, p, s
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -17,7 +17,8 @@ from lsgd_jax import mesh as mesh_room
 from lsgd_jax._core import _validate
 from lsgd_jax.planner._link import slowest
 
-PHASE_WARM, PHASE_REPEATS = 2, 5  # a kind of step: untimed calls, then timed ones
+PHASE_WARM = 3  # a kind of step's untimed calls (a collective's first calls set it up)
+PHASE_REPEATS = (3, 9)  # its timed calls: as many as the budget affords, within these
 PHASE_CAP_S = 2.0  # a kind of step predicted slower than this is not timed
 
 
@@ -81,39 +82,46 @@ def timed(
     return slowest(statistics.median(times))
 
 
+def phase_repeats(budget_s: float, compute_s: float, link_s: Iterable[dict[Any, float]]) -> int:
+    """The timed calls of each kind of step: as many as ``budget_s`` affords for every
+    kind of every candidate (``link_s``: each candidate's ``{phase: link seconds}``)
+    under ``PHASE_CAP_S``, within ``PHASE_REPEATS`` (at the least, the kinds past the
+    budget are left out)."""
+    steps = [compute_s + s for kinds in link_s for s in kinds.values()]
+    total = sum(s for s in steps if s <= PHASE_CAP_S)
+    low, high = PHASE_REPEATS
+    affords = budget_s / total - PHASE_WARM if total > 0 else high
+    return int(min(high, max(low, affords)))
+
+
 def phase_compute(
-    built: Any, args: tuple, ledger: Any, link_s: dict[Any, float], budget_s: float,
-    compute_s: float,
+    built: Any, make_args: Callable[[], tuple], ledger: Any, link_s: dict[Any, float],
+    budget_s: float, compute_s: float, repeats: int,
 ) -> tuple[dict[Any, float], float]:  # fmt: skip
     """Each kind of step's compute: its compiled program (as the ledger compiled it)
-    timed on the mesh, less its predicted seconds on the link (``link_s``), at least 0.
+    timed on the mesh (``repeats`` calls after ``PHASE_WARM``), less its predicted
+    seconds on the link (``link_s``), at least 0.
 
     A kind is timed while its predicted step (``compute_s`` plus its link seconds) is
     at most ``PHASE_CAP_S`` and its calls fit the ``budget_s`` left; the others are
     left out (the caller charges them ``compute_s``). Every process decides alike: from
-    the predictions, never from its own clock.
+    the predictions, never from its own clock. ``make_args()`` gives the step's
+    arguments afresh (a timed call donates them).
 
     Returns:
       ``({phase: compute seconds}, budget_s left)``.
     """
     if budget_s <= 0:
         return {}, budget_s
-    programs = dict(built.programs_of(*args, num_steps=len(ledger.steps)))
+    programs = dict(built.programs_of(*make_args(), num_steps=len(ledger.steps)))
     if set(ledger.phases) != set(programs) and len(programs) == len(ledger.phases) == 1:
         programs = {next(iter(ledger.phases)): next(iter(programs.values()))}  # DDP's
     found: dict[Any, float] = {}
     for phase in ledger.phases:
-        cost = (compute_s + link_s[phase]) * (PHASE_WARM + PHASE_REPEATS)
+        cost = (compute_s + link_s[phase]) * (PHASE_WARM + repeats)
         if phase not in programs or compute_s + link_s[phase] > PHASE_CAP_S or cost > budget_s:
             continue
         budget_s -= cost
-        jit_args = built.jit_args(*_fresh(args))  # a timed call donates them
-        seconds = timed(programs[phase], jit_args, PHASE_REPEATS, PHASE_WARM)
+        seconds = timed(programs[phase], built.jit_args(*make_args()), repeats, PHASE_WARM)
         found[phase] = max(seconds - link_s[phase], 0.0)
     return found, budget_s
-
-
-def _fresh(args: tuple) -> tuple:
-    """Copies of the step's arguments (a timed call donates its params and state)."""
-    return tuple(jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, a)
-                 for a in args)  # fmt: skip

@@ -303,33 +303,53 @@ def plan(
         raise ValueError(
             f"plan: compute_s is one step's compute in seconds, >= 0; got {compute_s}."
         )
-    budget = [phase_budget_s if timing else 0.0]
-
-    def predicted(candidate: Candidate) -> tuple[Any, ...]:
-        tx = _made(candidate, optimizer, num_steps)
-        built = step.data_parallel_step(loss_fn, tx, mesh)
-        p, s = mesh_room.replicate(params, mesh), mesh_room.replicate(tx.init(params), mesh)
-        args = (p, s, batch)
-        ledger = step.communication_ledger(built, *args, num_steps=num_steps, inner_axes=inner)
-        link_s = {k: _link_seconds(ph, link, flat_link) for k, ph in ledger.phases.items()}
-        timed, budget[0] = _compute.phase_compute(built, args, ledger, link_s, budget[0],
-                                                  compute_s)  # fmt: skip
-        compute = {k: timed.get(k, compute_s) for k in ledger.phases}
-        seconds = predict(ledger, link, compute, flat_link)
-        per_step, counts = ledger.link_per_step(), ledger.collectives("across")
-        names = _phase_names(ledger.steps, per_step, counts)
-        phases = {names[k]: float(compute[k] + link_s[k]) for k in ledger.phases}
-        computes = {names[k]: float(compute[k]) for k in ledger.phases}
-        mean, total = float(seconds.mean()), int(per_step.sum())
-        return tx, mean, total, phases, _elapsed(seconds), computes, tuple(names[k] for k in timed)
-
-    found = [(c, *predicted(c)) for c in candidates]
     # DDP is the reference of the speed and bytes columns, weighed or not
-    ddp = next((f for f in found if f[0] is CANDIDATES[0]), None)
-    if ddp is None:
-        ddp = (CANDIDATES[0], *predicted(CANDIDATES[0]))
+    weighed = [*candidates] + [c for c in CANDIDATES[:1] if not any(c is w for w in candidates)]
+    built = []  # every candidate's step and ledger first: the timing's budget is shared
+    for candidate in weighed:
+        tx = _made(candidate, optimizer, num_steps)
+        one = step.data_parallel_step(loss_fn, tx, mesh)
+        fresh = _arguments(params, tx, batch, mesh)
+        ledger = step.communication_ledger(one, *fresh(), num_steps=num_steps, inner_axes=inner)
+        link_s = {k: _link_seconds(ph, link, flat_link) for k, ph in ledger.phases.items()}
+        built.append((candidate, tx, one, fresh, ledger, link_s))
+    budget = phase_budget_s if timing else 0.0
+    repeats = _compute.phase_repeats(budget, compute_s, [b[-1] for b in built])
+    found = []
+    for candidate, tx, one, fresh, ledger, link_s in built:
+        timed, budget = _compute.phase_compute(one, fresh, ledger, link_s, budget, compute_s,
+                                               repeats)  # fmt: skip
+        found.append((candidate, tx, *_predicted(ledger, link, flat_link, link_s, compute_s,
+                                                 timed)))  # fmt: skip
+    ddp = next(f for f in found if f[0] is CANDIDATES[0])
+    found = [f for f in found if any(f[0] is c for c in candidates)]
     ranked, (chosen, tx) = _ranked(found, ddp, num_steps, tolerance)
     return Plan(link, compute_s, ranked, chosen, tx, tolerance, probe, flat_link, probe_s)
+
+
+def _arguments(params: Any, tx: Any, batch: Any, mesh: Mesh) -> Callable[[], tuple]:
+    """``() -> (params, opt_state, batch)``: a candidate's step arguments, made afresh."""
+    return lambda: (
+        mesh_room.replicate(params, mesh),
+        mesh_room.replicate(tx.init(params), mesh),
+        batch,
+    )
+
+
+def _predicted(
+    ledger: Any, link: Link, flat_link: Link | None, link_s: dict[Any, float],
+    compute_s: float, timed: dict[Any, float],
+) -> tuple[Any, ...]:  # fmt: skip
+    """A candidate's ``(mean step, link bytes, {kind: step}, elapsed, {kind: compute},
+    kinds timed)``, each kind charged its timed compute or else ``compute_s``."""
+    compute = {k: timed.get(k, compute_s) for k in ledger.phases}
+    seconds = predict(ledger, link, compute, flat_link)
+    per_step, counts = ledger.link_per_step(), ledger.collectives("across")
+    names = _phase_names(ledger.steps, per_step, counts)
+    phases = {names[k]: float(compute[k] + link_s[k]) for k in ledger.phases}
+    computes = {names[k]: float(compute[k]) for k in ledger.phases}
+    mean, total = float(seconds.mean()), int(per_step.sum())
+    return mean, total, phases, _elapsed(seconds), computes, tuple(names[k] for k in timed)
 
 
 def _phase_names(steps: Sequence[Any], per_step: Any, counts: Any) -> dict[Any, str]:

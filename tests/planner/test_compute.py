@@ -19,14 +19,17 @@ def loss_fn(p, b):
 
 
 def built(candidate=WARMUP_THIRD, num_steps=30):
-    """A candidate's step, its arguments and ledger, and ``{Compiled: phase}``."""
+    """A candidate's step, ``() -> its arguments``, its ledger, ``{id(Compiled): phase}``."""
     mesh = mesh_2x4()
     tx = candidate.make(optax.sgd(0.1), num_steps)
     step = lsgd_jax.data_parallel_step(loss_fn, tx, mesh)
-    args = (lsgd_jax.replicate(jnp.zeros(N), mesh),
-            lsgd_jax.replicate(tx.init(jnp.zeros(N)), mesh), jnp.ones((8, N)))  # fmt: skip
-    ledger = lsgd_jax.communication_ledger(step, *args, num_steps=num_steps)
-    programs = {id(c): k for k, c in step.programs_of(*args, num_steps=num_steps)}
+
+    def args():
+        return (lsgd_jax.replicate(jnp.zeros(N), mesh),
+                lsgd_jax.replicate(tx.init(jnp.zeros(N)), mesh), jnp.ones((8, N)))  # fmt: skip
+
+    ledger = lsgd_jax.communication_ledger(step, *args(), num_steps=num_steps)
+    programs = {id(c): k for k, c in step.programs_of(*args(), num_steps=num_steps)}
     return step, args, ledger, programs
 
 
@@ -48,15 +51,24 @@ def test_each_kind_of_step_is_timed_less_its_predicted_link_seconds(monkeypatch)
     timed, calls = fake_timed(programs, lambda k: 0.1 + 0.01 * k)
     monkeypatch.setattr(_compute, "timed", timed)
     link_s = {k: 0.002 * (k + 1) for k in ledger.phases}
-    found, left = _compute.phase_compute(step, args, ledger, link_s, 60.0, 0.1)
+    found, left = _compute.phase_compute(step, args, ledger, link_s, 60.0, 0.1, 5)
     assert found == {k: pytest.approx(0.1 + 0.01 * k - link_s[k]) for k in ledger.phases}
     assert sorted(calls) == sorted(ledger.phases)
-    per_call = _compute.PHASE_WARM + _compute.PHASE_REPEATS
+    per_call = _compute.PHASE_WARM + 5
     assert left == pytest.approx(60.0 - per_call * sum(0.1 + s for s in link_s.values()))
     # a step faster than its predicted link time: its compute is 0, not below
     monkeypatch.setattr(_compute, "timed", fake_timed(programs, lambda k: 0.001)[0])
-    found, _ = _compute.phase_compute(step, args, ledger, link_s, 60.0, 0.1)
+    found, _ = _compute.phase_compute(step, args, ledger, link_s, 60.0, 0.1, 5)
     assert set(found.values()) == {0.0}
+
+
+def test_a_step_of_one_program_is_timed_as_the_ledgers_one_kind(monkeypatch):
+    bare = lsgd_jax.planner.Candidate("bare", lambda opt, n: optax.chain(opt), 0.0, "mine")
+    step, args, ledger, programs = built(bare)
+    assert list(ledger.phases) == ["ddp"] and list(programs.values()) == ["switch"]
+    monkeypatch.setattr(_compute, "timed", fake_timed(programs, lambda k: 0.07)[0])
+    found, _ = _compute.phase_compute(step, args, ledger, {"ddp": 0.01}, 60.0, 0.05, 3)
+    assert found == {"ddp": pytest.approx(0.06)}
 
 
 def test_a_kind_too_slow_or_past_the_budget_is_left_to_the_local_compute(monkeypatch):
@@ -66,11 +78,21 @@ def test_a_kind_too_slow_or_past_the_budget_is_left_to_the_local_compute(monkeyp
     phases = list(ledger.phases)
     link_s = dict.fromkeys(phases, 0.0)
     link_s[phases[0]] = _compute.PHASE_CAP_S  # predicted over the cap with the compute
-    per_call = _compute.PHASE_WARM + _compute.PHASE_REPEATS
-    found, left = _compute.phase_compute(step, args, ledger, link_s, 0.15 * per_call, 0.1)
+    per_call = _compute.PHASE_WARM + 4
+    found, left = _compute.phase_compute(step, args, ledger, link_s, 0.15 * per_call, 0.1, 4)
     assert list(found) == [phases[1]] and calls == [phases[1]]  # then the budget is spent
     assert left == pytest.approx(0.05 * per_call)
-    assert _compute.phase_compute(step, args, ledger, link_s, 0.0, 0.1) == ({}, 0.0)
+    assert _compute.phase_compute(step, args, ledger, link_s, 0.0, 0.1, 4) == ({}, 0.0)
+
+
+def test_the_timed_calls_are_what_the_budget_affords_every_kind_within_bounds():
+    low, high = _compute.PHASE_REPEATS
+    warm, cap = _compute.PHASE_WARM, _compute.PHASE_CAP_S
+    kinds = [{0: 0.0, 1: 0.1}, {0: 0.0}, {0: cap}]  # 0.1 + 0.2 + 0.1 s a call (one over cap)
+    assert _compute.phase_repeats(0.4 * (warm + 5), 0.1, kinds) == 5
+    assert _compute.phase_repeats(1e6, 0.1, kinds) == high
+    assert _compute.phase_repeats(0.01, 0.1, kinds) == low
+    assert _compute.phase_repeats(1.0, 0.1, [{0: cap}]) == high  # nothing to time
 
 
 def test_the_plan_charges_each_kind_of_step_its_own_compute(monkeypatch):
