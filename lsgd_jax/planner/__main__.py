@@ -73,7 +73,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--compute-ms", type=_number(0.0, False), default=None,
                    help="skip the compute probe")  # fmt: skip
     p.add_argument("--phase-budget-s", type=_number(0.0, False), default=60.0,
-                   help="seconds to spend timing each kind of step (0: none)")  # fmt: skip
+                   help="seconds of predicted steps, in all, to time every kind of step "
+                   "of every candidate (0: none)")  # fmt: skip
     p.add_argument("--distributed", action="store_true", help="jax.distributed.initialize()")
     p.add_argument("--json", default=None, help="also write the rows to this file")
     a = p.parse_args(argv)
@@ -130,7 +131,9 @@ def _write_json(path: str, found: Any) -> None:
             "chosen": found.chosen.name, "tolerance": found.tolerance,
             "link": [found.link.bytes_per_s, found.link.latency_s],
             "flat_link": None if flat is None else [flat.bytes_per_s, flat.latency_s],
-            "compute_s": found.compute_s, "rows": rows,
+            "compute_s": found.compute_s, "probe_s": found.probe_s,
+            "phase_budget_s": found.phase_budget_s, "timed_calls": found.timed_calls,
+            "timing_s": found.timing_s, "rows": rows,
         }, f, indent=1)  # fmt: skip
 
 

@@ -85,13 +85,14 @@ def timed(
 def phase_repeats(budget_s: float, compute_s: float, link_s: Iterable[dict[Any, float]]) -> int:
     """The timed calls of each kind of step: as many as ``budget_s`` affords for every
     kind of every candidate (``link_s``: each candidate's ``{phase: link seconds}``)
-    under ``PHASE_CAP_S``, within ``PHASE_REPEATS`` (at the least, the kinds past the
-    budget are left out)."""
+    under ``PHASE_CAP_S``, at most ``PHASE_REPEATS[1]``; 0 (none timed) when it cannot
+    afford ``PHASE_REPEATS[0]`` of every one: candidates timed in part and charged in
+    part the local step's compute would not compare."""
     steps = [compute_s + s for kinds in link_s for s in kinds.values()]
     total = sum(s for s in steps if s <= PHASE_CAP_S)
     low, high = PHASE_REPEATS
     affords = budget_s / total - PHASE_WARM if total > 0 else high
-    return int(min(high, max(low, affords)))
+    return int(min(high, affords)) if affords >= low else 0
 
 
 def phase_compute(
@@ -111,7 +112,7 @@ def phase_compute(
     Returns:
       ``({phase: compute seconds}, budget_s left)``.
     """
-    if budget_s <= 0:
+    if budget_s <= 0 or repeats <= 0:
         return {}, budget_s
     programs = dict(built.programs_of(*make_args(), num_steps=len(ledger.steps)))
     if set(ledger.phases) != set(programs) and len(programs) == len(ledger.phases) == 1:
@@ -125,3 +126,29 @@ def phase_compute(
         seconds = timed(programs[phase], built.jit_args(*make_args()), repeats, PHASE_WARM)
         found[phase] = max(seconds - link_s[phase], 0.0)
     return found, budget_s
+
+
+def made(candidate: Any, optimizer: Any, num_steps: int) -> Any:
+    """``candidate.make(optimizer, num_steps)``, its failure named."""
+    try:
+        tx = candidate.make(optimizer, num_steps)
+    except Exception as e:
+        raise RuntimeError(
+            f"plan: candidate {candidate.name!r}: make(optimizer, num_steps) raised "
+            f"{type(e).__name__}: {e}"
+        ) from e
+    if not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(
+            f"plan: candidate {candidate.name!r}: make(optimizer, num_steps) must return "
+            f"an optax chain, got {tx!r}."
+        )
+    return tx
+
+
+def arguments(params: Any, tx: Any, batch: Any, mesh: Mesh) -> Callable[[], tuple]:
+    """``() -> (params, opt_state, batch)``: a candidate's step arguments, made afresh."""
+    return lambda: (
+        mesh_room.replicate(params, mesh),
+        mesh_room.replicate(tx.init(params), mesh),
+        batch,
+    )

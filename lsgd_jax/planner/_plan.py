@@ -9,10 +9,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import optax
 from jax.sharding import Mesh
 
-from lsgd_jax import mesh as mesh_room
 from lsgd_jax import step
 from lsgd_jax._core import _validate
 from lsgd_jax.planner import _checks as checks
@@ -99,6 +97,10 @@ class Plan:
       tolerance: the quality risk allowed (nats per byte).
       probe: the link probe's timings (empty when the link was given).
       probe_s: the link probe's seconds, wall clock (0 when the link was given).
+      phase_budget_s: the budget for timing kinds of step (0: none was to be timed: a
+        link or compute given, or a budget of 0).
+      timed_calls: the timed calls of each kind timed (0: none timed).
+      timing_s: the seconds that timing took, wall clock.
       flat_link: the link as fitted for one all-reduce over every device (None: the
         link was given, or a node has one device).
     """
@@ -112,6 +114,9 @@ class Plan:
     probe: tuple[dict[str, Any], ...] = dataclasses.field(default=(), hash=False)
     flat_link: Link | None = None
     probe_s: float = 0.0
+    phase_budget_s: float = 0.0
+    timed_calls: int = 0
+    timing_s: float = 0.0
 
     def choose(self, tolerance: float) -> Row:
         """The row this plan would choose at another ``tolerance`` (same rule), its
@@ -135,7 +140,7 @@ class Plan:
         )  # fmt: skip
         head = [
             f"link: {rate:,.1f} Mbit/s, {self.link.latency_s * 1e3:.3f} ms a collective{also}; "
-            f"compute {self.compute_s * 1e3:.1f} ms a local step{_timed_kinds(self.rows)}; "
+            f"compute {self.compute_s * 1e3:.1f} ms a local step{_timed_kinds(self)}; "
             f"tolerance {self.tolerance}",
             f"| setup | step (ms) | speed over DDP | to within {self.tolerance} (s, share of "
             "the run) | node-link MB, run | DDP's bytes / its | quality risk (nats/byte) |",
@@ -162,7 +167,8 @@ def predict(
       ledger: the run's ``communication_ledger``.
       link: the link, as fitted for collectives over the node axis.
       compute_s: a step's seconds without what it spends across nodes; or
-        ``{phase: seconds}`` for each of ``ledger.phases``, a kind of step's own.
+        ``{phase: seconds}`` keyed as ``ledger.phases`` (a kind of step's own; a
+        ``Row``'s dicts are keyed by labels instead).
       flat_link: the link as fitted for one collective over every device (a flat
         gradient mean's ring waits the link at more hops); None: ``link``.
 
@@ -185,10 +191,12 @@ def predict(
             raise TypeError(f"predict: {name} must be a lsgd_jax.planner.Link, got {value!r}.")
     if isinstance(compute_s, Mapping):
         missing = [k for k in ledger.phases if k not in compute_s]
-        if missing:
+        extra = [k for k in compute_s if k not in ledger.phases]
+        if missing or extra:
             raise ValueError(
-                f"predict: compute_s has no seconds for the ledger's phases {missing}; give "
-                f"one for each of {list(ledger.phases)}, or one number for all."
+                f"predict: compute_s must have seconds for each of the ledger's phases "
+                f"{list(ledger.phases)} (the keys of ledger.phases), or be one number for "
+                f"all; missing {missing}, not phases {extra}."
             )
         compute = {k: _seconds(compute_s[k]) for k in ledger.phases}
     else:
@@ -255,9 +263,10 @@ def plan(
       node_axis: the mesh axis across nodes.
       flat_link: with ``link``: the link as one all-reduce over every device sees it
         (measured with the link; None: ``link``).
-      phase_budget_s: with link and compute measured: predicted seconds to spend timing
-        each kind of step (its compute: its time less its link's; one predicted over 2 s,
-        or past the budget, gets the local step's compute). 0: none timed.
+      phase_budget_s: with link and compute measured: predicted seconds, in all, to
+        time every kind of step of every candidate (its compute: its time less its
+        link's); none is timed if it affords fewer than 3 calls of each, nor a kind over
+        2 s a step (those get the local step's compute). 0: none timed.
 
     Returns:
       A ``lsgd_jax.planner.Plan``; ``print(plan)`` shows the table, ``plan.tx`` is the chosen chain.
@@ -307,33 +316,26 @@ def plan(
     weighed = [*candidates] + [c for c in CANDIDATES[:1] if not any(c is w for w in candidates)]
     built = []  # every candidate's step and ledger first: the timing's budget is shared
     for candidate in weighed:
-        tx = _made(candidate, optimizer, num_steps)
+        tx = _compute.made(candidate, optimizer, num_steps)
         one = step.data_parallel_step(loss_fn, tx, mesh)
-        fresh = _arguments(params, tx, batch, mesh)
+        fresh = _compute.arguments(params, tx, batch, mesh)
         ledger = step.communication_ledger(one, *fresh(), num_steps=num_steps, inner_axes=inner)
         link_s = {k: _link_seconds(ph, link, flat_link) for k, ph in ledger.phases.items()}
         built.append((candidate, tx, one, fresh, ledger, link_s))
     budget = phase_budget_s if timing else 0.0
     repeats = _compute.phase_repeats(budget, compute_s, [b[-1] for b in built])
-    found = []
+    found, started = [], time.perf_counter()
     for candidate, tx, one, fresh, ledger, link_s in built:
         timed, budget = _compute.phase_compute(one, fresh, ledger, link_s, budget, compute_s,
                                                repeats)  # fmt: skip
         found.append((candidate, tx, *_predicted(ledger, link, flat_link, link_s, compute_s,
                                                  timed)))  # fmt: skip
+    timing_s = time.perf_counter() - started if repeats and budget else 0.0
     ddp = next(f for f in found if f[0] is CANDIDATES[0])
     found = [f for f in found if any(f[0] is c for c in candidates)]
     ranked, (chosen, tx) = _ranked(found, ddp, num_steps, tolerance)
-    return Plan(link, compute_s, ranked, chosen, tx, tolerance, probe, flat_link, probe_s)
-
-
-def _arguments(params: Any, tx: Any, batch: Any, mesh: Mesh) -> Callable[[], tuple]:
-    """``() -> (params, opt_state, batch)``: a candidate's step arguments, made afresh."""
-    return lambda: (
-        mesh_room.replicate(params, mesh),
-        mesh_room.replicate(tx.init(params), mesh),
-        batch,
-    )
+    return Plan(link, compute_s, ranked, chosen, tx, tolerance, probe, flat_link, probe_s,
+                phase_budget_s if timing else 0.0, repeats if timing else 0, timing_s)  # fmt: skip
 
 
 def _predicted(
@@ -362,23 +364,6 @@ def _phase_names(steps: Sequence[Any], per_step: Any, counts: Any) -> dict[Any, 
         if list(names.values()).count(name) > 1:
             names[k] = f"{name} (phase {k})"
     return names
-
-
-def _made(candidate: Candidate, optimizer: Any, num_steps: int) -> Any:
-    """``candidate.make(optimizer, num_steps)``, its failure named."""
-    try:
-        tx = candidate.make(optimizer, num_steps)
-    except Exception as e:
-        raise RuntimeError(
-            f"plan: candidate {candidate.name!r}: make(optimizer, num_steps) raised "
-            f"{type(e).__name__}: {e}"
-        ) from e
-    if not isinstance(tx, optax.GradientTransformation):
-        raise TypeError(
-            f"plan: candidate {candidate.name!r}: make(optimizer, num_steps) must return "
-            f"an optax chain, got {tx!r}."
-        )
-    return tx
 
 
 def _links(
@@ -413,11 +398,21 @@ def _links(
     return link, flat_link, tuple(timings) + tuple(flat)
 
 
-def _timed_kinds(rows: Sequence[Row]) -> str:
-    """How many kinds of step the plan timed on the mesh, for the table's head."""
-    timed = sum(len(r.timed_phases) for r in rows)
-    kinds = sum(len(r.phase_step_s) for r in rows)
-    return f" ({timed} of {kinds} kinds of step timed on the mesh)" if timed else ""
+def _timed_kinds(found: Plan) -> str:
+    """What the plan timed on the mesh, for the table's head."""
+    timed = sum(len(r.timed_phases) for r in found.rows)
+    kinds = sum(len(r.phase_step_s) for r in found.rows)
+    if timed:
+        return (f" ({timed} of {kinds} kinds of step timed on the mesh, {found.timed_calls} "
+                f"calls each, {found.timing_s:.0f} s; the others over 2 s a step)"
+                if timed < kinds else
+                f" (every kind of step timed on the mesh, {found.timed_calls} calls each, "
+                f"{found.timing_s:.0f} s)")  # fmt: skip
+    if found.phase_budget_s > 0:
+        return (f" (no kind of step timed: phase_budget_s={found.phase_budget_s:g} affords "
+                "fewer than 3 calls of each, or each is over 2 s a step; every kind charged "
+                "this)")  # fmt: skip
+    return ""
 
 
 def _short(x: float) -> str:

@@ -91,7 +91,10 @@ def test_the_timed_calls_are_what_the_budget_affords_every_kind_within_bounds():
     kinds = [{0: 0.0, 1: 0.1}, {0: 0.0}, {0: cap}]  # 0.1 + 0.2 + 0.1 s a call (one over cap)
     assert _compute.phase_repeats(0.4 * (warm + 5), 0.1, kinds) == 5
     assert _compute.phase_repeats(1e6, 0.1, kinds) == high
-    assert _compute.phase_repeats(0.01, 0.1, kinds) == low
+    # fewer than the least for every kind: none timed (a table timed in part would not
+    # compare its candidates alike)
+    assert _compute.phase_repeats(0.4 * (warm + low) - 0.01, 0.1, kinds) == 0
+    assert _compute.phase_repeats(0.4 * (warm + low), 0.1, kinds) == low
     assert _compute.phase_repeats(1.0, 0.1, [{0: cap}]) == high  # nothing to time
 
 
@@ -125,7 +128,14 @@ def test_the_plan_charges_each_kind_of_step_its_own_compute(monkeypatch):
     row = next(r for r in found.rows if r.name == WARMUP_THIRD.name)
     assert sorted(row.timed_phases) == sorted(row.phase_step_s)
     assert sorted(round(v, 6) for v in row.phase_step_s.values()) == [0.05, 0.05, 0.08]
-    assert "timed on the mesh" in str(found)
+    assert "(every kind of step timed on the mesh, 9 calls each," in str(found)
+    assert found.timed_calls == 9 and found.phase_budget_s == 60.0
+    # a budget too small for 3 calls of every kind: none timed, and the table says so
+    small = plan(loss_fn, jnp.zeros(N), jnp.ones((8, N)), mesh_2x4(), optax.sgd(0.1),
+                 num_steps=30, tolerance=0.05, candidates=[CANDIDATES[0], WARMUP_THIRD],
+                 phase_budget_s=0.01)  # fmt: skip
+    assert all(r.timed_phases == () for r in small.rows) and small.timed_calls == 0
+    assert "no kind of step timed: phase_budget_s=0.01 affords fewer than 3" in str(small)
     # a budget of 0: every kind charged the local step's compute (50 ms less its link)
     found = plan(loss_fn, jnp.zeros(N), jnp.ones((8, N)), mesh_2x4(), optax.sgd(0.1),
                  num_steps=30, tolerance=0.05, candidates=[CANDIDATES[0], WARMUP_THIRD],
@@ -152,7 +162,9 @@ def test_predict_takes_a_compute_for_each_kind_of_step_and_names_one_missing():
     compute = {k: 0.01 * (k + 1) for k in ledger.phases}
     seconds = predict(ledger, link, compute)
     assert [round(s, 6) for s in seconds] == [0.01 * (k + 1) for k in ledger.steps]
-    with pytest.raises(ValueError, match=r"no seconds for the ledger's phases \[1\]"):
+    with pytest.raises(ValueError, match=r"missing \[1\], not phases \[\]"):
         predict(ledger, link, {k: v for k, v in compute.items() if k != 1})
+    with pytest.raises(ValueError, match=r"missing \[\], not phases \['14 B'\]"):
+        predict(ledger, link, {**compute, "14 B": 0.1})  # a Row's label is not a phase
     with pytest.raises(ValueError, match="compute_s is seconds, >= 0"):
         predict(ledger, link, dict.fromkeys(ledger.phases, -0.1))
