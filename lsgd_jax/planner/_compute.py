@@ -54,9 +54,10 @@ def measure_compute(
 def local_step(
     loss_fn: Callable[..., Any], params: Any, batch: Any, mesh: Mesh, optimizer: Any
 ) -> tuple[Any, Any, Any]:
-    """The step ``measure_compute`` times (post-local SGD's local phase), and its inputs."""
+    """The step ``measure_compute`` times (post-local SGD's local phase), and its inputs;
+    built for ``params`` (one replica), so that a model the step refuses is refused here."""
     tx = optax.chain(hook.post_local_sgd(0), optimizer)
-    local = step.data_parallel_step(loss_fn, tx, mesh)
+    local = step.data_parallel_step(loss_fn, tx, mesh, example_params=params)
     return local, mesh_room.replicate(params, mesh), mesh_room.replicate(tx.init(params), mesh)
 
 

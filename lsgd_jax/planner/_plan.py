@@ -297,13 +297,16 @@ def plan(
     checks.check_inner_optimizer(optimizer, params)
     checks.check_one_replica(params)
     timing = link is None and compute_s is None  # the mesh's own link: its steps timed
+    try:  # the model as the steps will take it, before any probe
+        local, p, s = _compute.local_step(loss_fn, params, batch, mesh, optimizer)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"plan: {e}") from e
     started = time.perf_counter()
     link, flat_link, probe = _links(mesh, node_axis, link, flat_link, params)
     probe_s = time.perf_counter() - started if probe else 0.0
     inner = tuple(a for a in mesh.axis_names if a != node_axis)
     if compute_s is None:
         # a local step, less what its loss mean across nodes waits on the link
-        local, p, s = _compute.local_step(loss_fn, params, batch, mesh, optimizer)
         own = step.communication_ledger(local, p, s, batch, num_steps=1, inner_axes=inner)
         paid = _link_seconds(own.phases[own.steps[0]], link, flat_link)
         compute_s = max(_compute.timed(local, (p, s, batch), 20) - paid, 0.0)

@@ -168,3 +168,14 @@ def test_predict_takes_a_compute_for_each_kind_of_step_and_names_one_missing():
         predict(ledger, link, {**compute, "14 B": 0.1})  # a Row's label is not a phase
     with pytest.raises(ValueError, match="compute_s is seconds, >= 0"):
         predict(ledger, link, dict.fromkeys(ledger.phases, -0.1))
+
+
+def test_a_model_the_step_refuses_is_refused_before_the_probe(monkeypatch):
+    def probe(*args, **kwargs):
+        raise AssertionError("probed the link before checking the model")
+
+    monkeypatch.setattr(_plan, "measure_link", probe)
+    params = {"w": jnp.zeros(N), "n": jnp.array(3, jnp.int32)}  # an int leaf: not a param
+    with pytest.raises(TypeError, match=r"^plan: .*leaf \['n'\] is an int32 array of shape \(\)"):
+        plan(lambda p, b: loss_fn(p["w"], b), params, jnp.ones((8, N)), mesh_2x4(),
+             optax.sgd(0.1), num_steps=30, tolerance=0.05)  # fmt: skip
