@@ -133,7 +133,8 @@ def _write_json(path: str, found: Any) -> None:
             "flat_link": None if flat is None else [flat.bytes_per_s, flat.latency_s],
             "compute_s": found.compute_s, "probe_s": found.probe_s,
             "phase_budget_s": found.phase_budget_s, "timed_calls": found.timed_calls,
-            "timing_s": found.timing_s, "rows": rows,
+            "timing_s": found.timing_s, "call_overhead_s": found.call_overhead_s,
+            "rows": rows,
         }, f, indent=1)  # fmt: skip
 
 

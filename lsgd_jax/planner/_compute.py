@@ -3,7 +3,6 @@ candidate's kinds of step timed from their compiled programs."""
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -15,10 +14,10 @@ from jax.sharding import Mesh
 from lsgd_jax import hook, step
 from lsgd_jax import mesh as mesh_room
 from lsgd_jax._core import _validate
-from lsgd_jax.planner._link import slowest
+from lsgd_jax.planner._link import pooled_median
 
 PHASE_WARM = 3  # a kind of step's untimed calls (a collective's first calls set it up)
-PHASE_REPEATS = (3, 9)  # its timed calls: as many as the budget affords, within these
+PHASE_REPEATS = (3, 30)  # its timed calls: as many as the budget affords, within these
 PHASE_CAP_S = 2.0  # a kind of step predicted slower than this is not timed
 
 
@@ -35,8 +34,8 @@ def measure_compute(
     """Seconds of one step's compute: the local phase of post-local SGD (gradients
     averaged inside each node only, as the candidates' local steps do; the loss mean
     across nodes that every step reports included), compiled once, run three times to
-    warm up, then the median of ``repeats`` timed steps (the largest over the
-    processes: every process plans alike).
+    warm up, then the median of ``repeats`` timed steps (every process's calls pooled:
+    every process plans alike).
 
     Example:
       >>> import jax.numpy as jnp, optax, lsgd_jax
@@ -47,18 +46,46 @@ def measure_compute(
       True
     """
     repeats = _validate.positive_int(repeats, "measure_compute: repeats")
-    local, p, s = local_step(loss_fn, params, batch, mesh, optimizer)
-    return timed(local, (p, s, batch), repeats, clock=clock)
+    local, fresh = local_step(loss_fn, params, batch, mesh, optimizer)
+    return timed(local, fresh(), repeats, clock=clock)
 
 
 def local_step(
     loss_fn: Callable[..., Any], params: Any, batch: Any, mesh: Mesh, optimizer: Any
-) -> tuple[Any, Any, Any]:
-    """The step ``measure_compute`` times (post-local SGD's local phase), and its inputs;
-    built for ``params`` (one replica), so that a model the step refuses is refused here."""
+) -> tuple[Any, Callable[[], tuple]]:
+    """The step ``measure_compute`` times (post-local SGD's local phase), and ``() ->
+    its arguments`` made afresh; built for ``params`` (one replica), so that a model the
+    step refuses is refused here."""
     tx = optax.chain(hook.post_local_sgd(0), optimizer)
     local = step.data_parallel_step(loss_fn, tx, mesh, example_params=params)
-    return local, mesh_room.replicate(params, mesh), mesh_room.replicate(tx.init(params), mesh)
+    return local, arguments(params, tx, batch, mesh)
+
+
+def call_overhead(
+    built: Any, args: tuple, repeats: int, warm: int = 3,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:  # fmt: skip
+    """Seconds a call of the step object adds to its compiled program (its input checks,
+    its phase plan, the jitted call): ``built`` called in turn through the step and
+    through the program of its next call, each pair's difference; the median of every
+    process's differences pooled, at least 0. Kinds of step are timed as programs: this
+    is what a user's call adds to each."""
+    args, gaps = tuple(args), []
+    for i in range(warm + repeats):
+        start = clock()
+        out = built(*args)
+        jax.block_until_ready(out)
+        through_step = clock() - start
+        args = (*out[:-1], args[-1])
+        ((_, program),) = built.programs_of(*args, num_steps=1)
+        start = clock()
+        params, model_state, opt_state, *rest = program(*built.jit_args(*args))
+        jax.block_until_ready((params, model_state, opt_state, rest))
+        gap = through_step - (clock() - start)
+        if i >= warm:
+            gaps.append(gap)
+        args = (params, opt_state, args[-1])
+    return max(pooled_median(gaps), 0.0)
 
 
 def timed(
@@ -70,8 +97,8 @@ def timed(
 ) -> float:
     """The median seconds of ``repeats`` calls of ``call(*args)`` after ``warm`` untimed
     ones, each call fed the previous one's outputs in place of its arguments (the params
-    and states it donates) and timed until all of them are ready; the largest median
-    over the processes (they agree, so they choose alike)."""
+    and states it donates) and timed until all of them are ready; every process's calls
+    pooled (one agreed value: the processes choose alike)."""
     args, times = tuple(args), []
     for i in range(warm + repeats):
         start = clock()
@@ -80,7 +107,7 @@ def timed(
         if i >= warm:
             times.append(clock() - start)
         args = tuple(out[: len(args) - 1]) + args[-1:]  # the batch stays
-    return slowest(statistics.median(times))
+    return pooled_median(times)
 
 
 def phase_repeats(budget_s: float, compute_s: float, link_s: Iterable[dict[Any, float]]) -> int:
@@ -98,11 +125,12 @@ def phase_repeats(budget_s: float, compute_s: float, link_s: Iterable[dict[Any, 
 
 def phase_compute(
     built: Any, make_args: Callable[[], tuple], ledger: Any, link_s: dict[Any, float],
-    budget_s: float, compute_s: float, repeats: int,
+    budget_s: float, compute_s: float, repeats: int, overhead_s: float = 0.0,
 ) -> tuple[dict[Any, float], float]:  # fmt: skip
     """Each kind of step's compute: its compiled program (as the ledger compiled it)
-    timed on the mesh (``repeats`` calls after ``PHASE_WARM``), less its predicted
-    seconds on the link (``link_s``), at least 0.
+    timed on the mesh (``repeats`` calls after ``PHASE_WARM``), plus ``overhead_s`` (a
+    call through the step: see ``call_overhead``), less its predicted seconds on the
+    link (``link_s``), at least 0.
 
     A kind is timed while its predicted step (``compute_s`` plus its link seconds) is
     at most ``PHASE_CAP_S`` and its calls fit the ``budget_s`` left; the others are
@@ -125,7 +153,7 @@ def phase_compute(
             continue
         budget_s -= cost
         seconds = timed(programs[phase], built.jit_args(*make_args()), repeats, PHASE_WARM)
-        found[phase] = max(seconds - link_s[phase], 0.0)
+        found[phase] = max(seconds + overhead_s - link_s[phase], 0.0)
     return found, budget_s
 
 

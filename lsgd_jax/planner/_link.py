@@ -234,6 +234,17 @@ def _float_sizes(like: Any) -> list[int]:
     return [n for n in sizes if n]  # an empty leaf sends nothing
 
 
+def pooled_median(times: list[float]) -> float:
+    """The median of every process's ``times`` pooled (one agreed value). The slowest
+    process's own median would add its lag to every call: in a loop of steps each
+    process waits on the others in turn, and their calls average the same."""
+    if jax.process_count() == 1:
+        return float(statistics.median(times))
+    from jax.experimental import multihost_utils
+
+    return float(np.median(multihost_utils.process_allgather(np.asarray(times, np.float64))))
+
+
 def slowest(seconds: float) -> float:
     """The longest of the processes' ``seconds`` (one agreed value: each process then
     runs the same collectives)."""

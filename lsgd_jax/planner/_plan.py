@@ -101,6 +101,8 @@ class Plan:
         link or compute given, or a budget of 0).
       timed_calls: the timed calls of each kind timed (0: none timed).
       timing_s: the seconds that timing took, wall clock.
+      call_overhead_s: what a call through the step adds to its compiled program,
+        added to each kind timed (0: none timed).
       flat_link: the link as fitted for one all-reduce over every device (None: the
         link was given, or a node has one device).
     """
@@ -117,6 +119,7 @@ class Plan:
     phase_budget_s: float = 0.0
     timed_calls: int = 0
     timing_s: float = 0.0
+    call_overhead_s: float = 0.0
 
     def choose(self, tolerance: float) -> Row:
         """The row this plan would choose at another ``tolerance`` (same rule), its
@@ -298,7 +301,7 @@ def plan(
     checks.check_one_replica(params)
     timing = link is None and compute_s is None  # the mesh's own link: its steps timed
     try:  # the model as the steps will take it, before any probe
-        local, p, s = _compute.local_step(loss_fn, params, batch, mesh, optimizer)
+        local, fresh_local = _compute.local_step(loss_fn, params, batch, mesh, optimizer)
     except (TypeError, ValueError) as e:
         raise type(e)(f"plan: {e}") from e
     started = time.perf_counter()
@@ -307,9 +310,9 @@ def plan(
     inner = tuple(a for a in mesh.axis_names if a != node_axis)
     if compute_s is None:
         # a local step, less what its loss mean across nodes waits on the link
-        own = step.communication_ledger(local, p, s, batch, num_steps=1, inner_axes=inner)
+        own = step.communication_ledger(local, *fresh_local(), num_steps=1, inner_axes=inner)
         paid = _link_seconds(own.phases[own.steps[0]], link, flat_link)
-        compute_s = max(_compute.timed(local, (p, s, batch), 20) - paid, 0.0)
+        compute_s = max(_compute.timed(local, fresh_local(), 20) - paid, 0.0)
     compute_s = _validate.real_number(compute_s, "plan: compute_s", "0.05")
     if compute_s < 0:
         raise ValueError(
@@ -327,10 +330,13 @@ def plan(
         built.append((candidate, tx, one, fresh, ledger, link_s))
     budget = phase_budget_s if timing else 0.0
     repeats = _compute.phase_repeats(budget, compute_s, [b[-1] for b in built])
-    found, started = [], time.perf_counter()
+    started = time.perf_counter()  # kinds are timed as programs: a call adds this
+    many = max(built, key=lambda b: len(b[4].phases))  # a step of many phases, as most
+    overhead = _compute.call_overhead(many[2], many[3](), 10) if repeats else 0.0
+    found = []
     for candidate, tx, one, fresh, ledger, link_s in built:
         timed, budget = _compute.phase_compute(one, fresh, ledger, link_s, budget, compute_s,
-                                               repeats)  # fmt: skip
+                                               repeats, overhead)  # fmt: skip
         found.append((candidate, tx, *_predicted(ledger, link, flat_link, link_s, compute_s,
                                                  timed)))  # fmt: skip
     timing_s = time.perf_counter() - started if repeats and budget else 0.0
@@ -338,7 +344,8 @@ def plan(
     found = [f for f in found if any(f[0] is c for c in candidates)]
     ranked, (chosen, tx) = _ranked(found, ddp, num_steps, tolerance)
     return Plan(link, compute_s, ranked, chosen, tx, tolerance, probe, flat_link, probe_s,
-                phase_budget_s if timing else 0.0, repeats if timing else 0, timing_s)  # fmt: skip
+                phase_budget_s if timing else 0.0, repeats if timing else 0, timing_s,
+                overhead)  # fmt: skip
 
 
 def _predicted(

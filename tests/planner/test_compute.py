@@ -3,6 +3,7 @@
 prediction, within a budget decided alike on every process."""
 
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from helpers import mesh_2x4
@@ -115,6 +116,7 @@ def test_the_plan_charges_each_kind_of_step_its_own_compute(monkeypatch):
     warmup = built(WARMUP_THIRD)[2].steps[0]  # the run starts with its warm-up
     timed, _ = fake_timed(seen, lambda k: 0.08 if k == warmup else 0.05)
     monkeypatch.setattr(_compute, "timed", timed)
+    monkeypatch.setattr(_compute, "call_overhead", lambda *a, **k: 0.004)  # a call's own
     found = plan(
         loss_fn,
         jnp.zeros(N),
@@ -127,14 +129,16 @@ def test_the_plan_charges_each_kind_of_step_its_own_compute(monkeypatch):
     )
     row = next(r for r in found.rows if r.name == WARMUP_THIRD.name)
     assert sorted(row.timed_phases) == sorted(row.phase_step_s)
-    assert sorted(round(v, 6) for v in row.phase_step_s.values()) == [0.05, 0.05, 0.08]
-    assert "(every kind of step timed on the mesh, 9 calls each," in str(found)
-    assert found.timed_calls == 9 and found.phase_budget_s == 60.0
+    assert sorted(round(v, 6) for v in row.phase_step_s.values()) == [0.054, 0.054, 0.084]
+    assert found.call_overhead_s == 0.004
+    assert "(every kind of step timed on the mesh, 30 calls each," in str(found)
+    assert found.timed_calls == 30 and found.phase_budget_s == 60.0
     # a budget too small for 3 calls of every kind: none timed, and the table says so
     small = plan(loss_fn, jnp.zeros(N), jnp.ones((8, N)), mesh_2x4(), optax.sgd(0.1),
                  num_steps=30, tolerance=0.05, candidates=[CANDIDATES[0], WARMUP_THIRD],
                  phase_budget_s=0.01)  # fmt: skip
     assert all(r.timed_phases == () for r in small.rows) and small.timed_calls == 0
+    assert small.call_overhead_s == 0.0  # nothing timed: the local step's compute has it
     assert "no kind of step timed: phase_budget_s=0.01 affords fewer than 3" in str(small)
     # a budget of 0: every kind charged the local step's compute (50 ms less its link)
     found = plan(loss_fn, jnp.zeros(N), jnp.ones((8, N)), mesh_2x4(), optax.sgd(0.1),
@@ -179,3 +183,37 @@ def test_a_model_the_step_refuses_is_refused_before_the_probe(monkeypatch):
     with pytest.raises(TypeError, match=r"^plan: .*leaf \['n'\] is an int32 array of shape \(\)"):
         plan(lambda p, b: loss_fn(p["w"], b), params, jnp.ones((8, N)), mesh_2x4(),
              optax.sgd(0.1), num_steps=30, tolerance=0.05)  # fmt: skip
+
+
+def test_the_processes_calls_are_pooled_not_the_slowest_median(monkeypatch):
+    """Two processes whose calls alternate fast and slow (each waits on the other in
+    turn): the agreed step is the median of all their calls, not the slower median."""
+    from jax.experimental import multihost_utils
+
+    from lsgd_jax.planner import _link
+
+    mine = [0.10, 0.10, 0.10, 0.30, 0.30]  # this process: median 0.10
+    theirs = [0.30, 0.30, 0.30, 0.10, 0.20]  # the other: median 0.30
+    monkeypatch.setattr(_link.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(
+        multihost_utils, "process_allgather", lambda x: np.stack([np.asarray(x), theirs])
+    )
+    assert _link.pooled_median(mine) == pytest.approx(0.25)  # ten calls: (0.2 + 0.3) / 2
+    theirs = 0.30  # the link probe keeps the slowest process's seconds
+    assert _link.slowest(0.10) == pytest.approx(0.30)
+    monkeypatch.setattr(_link.jax, "process_count", lambda: 1)
+    assert _link.pooled_median(mine) == pytest.approx(0.10)
+
+
+def test_a_call_through_the_step_is_timed_against_its_program():
+    """A step of three kinds called in turn through the step and through the program of
+    its next call, across its phases (26 calls of a 30-step run; fake clock: 3 s
+    through the step, 1 s as the program): the difference, from real calls."""
+    step, args, ledger, _ = built()
+    ticks = iter([0, 3, 3, 4] * 13)
+    assert _compute.call_overhead(step, args(), 10, clock=lambda: next(ticks)) == 2.0
+    ticks = iter([0, 1, 1, 4] * 13)  # a program slower than the call: 0, not below
+    assert _compute.call_overhead(step, args(), 10, clock=lambda: next(ticks)) == 0.0
+    local, fresh = _compute.local_step(loss_fn, jnp.zeros(N), jnp.ones((8, N)), mesh_2x4(),
+                                       optax.sgd(0.1))  # fmt: skip
+    assert 0 <= _compute.call_overhead(local, fresh(), 3) < 1.0  # real clocks
