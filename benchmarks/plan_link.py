@@ -130,7 +130,8 @@ def worker(args) -> None:
            "flat_link": [flat.bytes_per_s, flat.latency_s],  # probe: node axis, then flat
            "picks": picks, "top": [r.name for r in found.rows[: args.top]],
            "plan_s": plan_s, "compute_s": compute, "chosen": found.chosen.name,
-           "runs": measured}  # fmt: skip
+           "timed_calls": found.timed_calls, "timing_s": found.timing_s,
+           "call_overhead_s": found.call_overhead_s, "runs": measured}  # fmt: skip
     pathlib.Path(args.out, f"worker{args.process_id}.json").write_text(json.dumps(out))
 
 

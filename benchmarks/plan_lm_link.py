@@ -96,7 +96,8 @@ def worker(args) -> None:
     out = {"link": [link.bytes_per_s, link.latency_s], "flat_link": [flat.bytes_per_s,
            flat.latency_s], "probe": probe, "link_s": link_s, "plan_s": plan_s,
            "compute_s": found.compute_s, "picks": {t: found.choose(t).name for t in TOLERANCES},
-           "runs": runs}  # fmt: skip
+           "timed_calls": found.timed_calls, "timing_s": found.timing_s,
+           "call_overhead_s": found.call_overhead_s, "runs": runs}  # fmt: skip
     pathlib.Path(args.out, f"worker{args.process_id}.json").write_text(json.dumps(out))
 
 
@@ -166,7 +167,13 @@ def summarize(link: str, w: dict, model: str) -> list[str]:
         f"**{link}**: link probes {w['link_s']:.1f} s, the whole plan {w['plan_s']:.1f} s; "
         f"fitted {w['link'][0] * 8 / 1e6:,.1f} Mbit/s, {w['link'][1] * 1e3:.3f} ms over the "
         f"node axis, {w['flat_link'][0] * 8 / 1e6:,.1f} Mbit/s, {w['flat_link'][1] * 1e3:.3f} "
-        f"ms flat; compute {w['compute_s'] * 1e3:.1f} ms a step.",
+        f"ms flat; compute {w['compute_s'] * 1e3:.1f} ms a step"
+        + (
+            f"; {w['timed_calls']} timed calls of each kind, {w['timing_s']:.0f} s, a call "
+            f"{w['call_overhead_s'] * 1e3:.2f} ms over its program."
+            if "timed_calls" in w
+            else "."
+        ),
         "",
         "| setup | mean step, predicted / measured (ms) | error | "
         + " | ".join(f"to DDP+{t} (s): predicted; measured, seeds 0/1/2" for t in TOLERANCES)
