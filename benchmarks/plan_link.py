@@ -152,8 +152,14 @@ def summarize(rate: str, w: dict) -> list[str]:
         f"{w.get('plan_s', w.get('probe_s', float('nan'))):.1f} s), fitted "
         f"{w['link'][0] * 8 / 1e6:,.1f} Mbit/s and {w['link'][1] * 1e3:.3f} ms a collective "
         f"over the node axis, {flat[0] * 8 / 1e6:,.1f} Mbit/s and {flat[1] * 1e3:.3f} ms for "
-        f"one flat all-reduce; compute {w['compute_s'] * 1e3:.1f} ms a step. Target loss "
-        f"{target:.4f}.",
+        f"one flat all-reduce; compute {w['compute_s'] * 1e3:.1f} ms a step"
+        + (
+            f"; {w['timed_calls']} timed calls of each kind, {w['timing_s']:.0f} s, a call "
+            f"{w['call_overhead_s'] * 1e3:.2f} ms over its program"
+            if "timed_calls" in w
+            else ""
+        )
+        + f". Target loss {target:.4f}.",
         "",
         "| setup | predicted step (ms) | measured: mean, median (ms) | error of the mean "
         "| time to target (s) |",

@@ -332,14 +332,14 @@ def plan(
     repeats = _compute.phase_repeats(budget, compute_s, [b[-1] for b in built])
     started = time.perf_counter()  # kinds are timed as programs: a call adds this
     many = max(built, key=lambda b: len(b[4].phases))  # a step of many phases, as most
-    overhead = _compute.call_overhead(many[2], many[3](), 10) if repeats else 0.0
+    overhead = _compute.call_overhead(many[2], many[3](), max(repeats, 10)) if repeats else 0.0
     found = []
     for candidate, tx, one, fresh, ledger, link_s in built:
         timed, budget = _compute.phase_compute(one, fresh, ledger, link_s, budget, compute_s,
                                                repeats, overhead)  # fmt: skip
         found.append((candidate, tx, *_predicted(ledger, link, flat_link, link_s, compute_s,
                                                  timed)))  # fmt: skip
-    timing_s = time.perf_counter() - started if repeats and budget else 0.0
+    timing_s = time.perf_counter() - started if repeats else 0.0
     ddp = next(f for f in found if f[0] is CANDIDATES[0])
     found = [f for f in found if any(f[0] is c for c in candidates)]
     ranked, (chosen, tx) = _ranked(found, ddp, num_steps, tolerance)
