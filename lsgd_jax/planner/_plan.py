@@ -252,7 +252,7 @@ def plan(
     Args:
       loss_fn: ``loss_fn(params, batch) -> loss``, as for ``data_parallel_step``.
       params: the model's params (one replica, not replicated).
-      batch: one global batch.
+      batch: one global batch (several processes: a global ``jax.Array``).
       mesh: the training mesh (``make_mesh(nodes, devices_per_node)``).
       optimizer: the inner optax optimizer (e.g. ``optax.adamw(...)``).
       num_steps: the run's length (the schedules and the bytes are the run's).
@@ -260,8 +260,8 @@ def plan(
         one (the candidates' ``risk`` and ``curve``, from docs/lm.md).
       link: a ``lsgd_jax.planner.Link`` to use instead of measuring one.
       compute_s: one step's seconds without its communication across nodes, to use
-        instead of measuring it (measured: ``measure_compute``'s local step less the
-        predicted time of its loss mean across nodes).
+        instead of measuring it (measured: ``measure_compute``'s local step, less its
+        loss mean's predicted time on the measured link; with ``link`` given, all of it).
       candidates: the setups to weigh (default ``CANDIDATES``).
       node_axis: the mesh axis across nodes.
       flat_link: with ``link``: the link as one all-reduce over every device sees it
@@ -304,15 +304,14 @@ def plan(
         local, fresh_local = _compute.local_step(loss_fn, params, batch, mesh, optimizer)
     except (TypeError, ValueError) as e:
         raise type(e)(f"plan: {e}") from e
-    started = time.perf_counter()
+    started, measured = time.perf_counter(), link is None
     link, flat_link, probe = _links(mesh, node_axis, link, flat_link, params)
     probe_s = time.perf_counter() - started if probe else 0.0
     inner = tuple(a for a in mesh.axis_names if a != node_axis)
     if compute_s is None:
-        # a local step, less what its loss mean across nodes waits on the link
-        own = step.communication_ledger(local, *fresh_local(), num_steps=1, inner_axes=inner)
-        paid = _link_seconds(own.phases[own.steps[0]], link, flat_link)
-        compute_s = max(_compute.timed(local, fresh_local(), 20) - paid, 0.0)
+        # a link given may not be this mesh's: nothing of it taken off the step timed here
+        paid = (lambda phase: _link_seconds(phase, link, flat_link)) if measured else None
+        compute_s = _compute.local_compute(local, fresh_local, paid, inner)
     compute_s = _validate.real_number(compute_s, "plan: compute_s", "0.05")
     if compute_s < 0:
         raise ValueError(
@@ -414,15 +413,15 @@ def _timed_kinds(found: Plan) -> str:
     kinds = sum(len(r.phase_step_s) for r in found.rows)
     if timed:
         return (f" ({timed} of {kinds} kinds of step timed on the mesh, {found.timed_calls} "
-                f"calls each, {found.timing_s:.0f} s; the others over 2 s a step)"
+                f"calls each, {found.timing_s:.1f} s; the others over 2 s a step)"
                 if timed < kinds else
                 f" (every kind of step timed on the mesh, {found.timed_calls} calls each, "
-                f"{found.timing_s:.0f} s)")  # fmt: skip
+                f"{found.timing_s:.1f} s)")  # fmt: skip
     if found.phase_budget_s > 0:
         return (f" (no kind of step timed: phase_budget_s={found.phase_budget_s:g} affords "
                 "fewer than 3 calls of each, or each is over 2 s a step; every kind charged "
                 "this)")  # fmt: skip
-    return ""
+    return " (no kind of step timed: a link or compute given, or phase_budget_s=0)"
 
 
 def _short(x: float) -> str:
@@ -463,6 +462,11 @@ def _ranked(
 
 def _none_within(tolerance: float, risks: dict[str, float | None], who: str = "plan") -> None:
     """Raises the error for a tolerance that no candidate meets."""
+    if tolerance < 0:
+        raise ValueError(
+            f"{who}: tolerance is nats per byte of loss above a tuned DDP's final one, "
+            f">= 0 (0.01 is strict, 0.05 loose); got {tolerance}."
+        )
     measured = [r for r in risks.values() if r is not None]
     fix = (
         f"raise the tolerance to at least {min(measured)}" if measured else

@@ -14,7 +14,7 @@ import pytest
 from helpers import ROOT, mesh_2x4
 
 import lsgd_jax
-from lsgd_jax.planner import CANDIDATES, Link, fit, measure_link, plan
+from lsgd_jax.planner import CANDIDATES, Link, _plan, fit, measure_link, plan
 
 N = 4096  # params of the test model
 
@@ -159,7 +159,7 @@ def test_the_fastest_within_the_tolerance_is_chosen_with_its_chain():
     assert slow.choose(0.01).name == strict.chosen.name
     assert strict.choose(0.05).name == slow.chosen.name
     assert slow.choose(0.0).name == "DDP"
-    with pytest.raises(ValueError, match="no candidate is within tolerance=-1"):
+    with pytest.raises(ValueError, match="tolerance is nats per byte .*; got -1"):
         slow.choose(-1)
     # on a link that costs nothing every setup takes the compute's time: the lowest risk
     assert planned(0.05, link=Link(1e12, 0.0), compute_s=0.01).chosen.name == "DDP"
@@ -283,16 +283,29 @@ def test_the_probe_takes_an_explicit_mesh():
 
 def test_the_measured_compute_leaves_out_the_loss_mean_across_nodes(monkeypatch):
     """A local step (timed at 50 ms here) averages its loss across nodes in one flat
-    collective: the compute is the step less that collective's predicted time."""
+    collective: the compute is the step less that collective's predicted time on the
+    link measured (here a fake probe's); a link given may not be this mesh's, so
+    nothing is taken off then (a 50 ms latency given once left a compute of 0)."""
     import lsgd_jax.planner._compute as plan_module
 
     monkeypatch.setattr(plan_module, "timed", lambda *args, **kwargs: 0.05)
+    monkeypatch.setattr(_plan, "measure_link", lambda *a, **k: (Link(1e12, 0.004), []))
     loss, params, batch = inputs()
     found = plan(loss, params, batch, mesh_2x4(), optax.sgd(0.1), num_steps=30,
-                 link=Link(1e12, 0.001), flat_link=Link(1e12, 0.004))  # fmt: skip
+                 phase_budget_s=0)  # fmt: skip
     assert found.compute_s == pytest.approx(0.05 - 0.004, abs=1e-9)
     ddp = next(r for r in found.rows if r.name == "DDP")  # one flat collective a step
     assert ddp.step_s == pytest.approx(0.05, abs=1e-6)
+    given = plan(loss, params, batch, mesh_2x4(), optax.sgd(0.1), num_steps=30,
+                 link=Link(2.5e6, 0.05))  # fmt: skip
+    assert given.compute_s == pytest.approx(0.05, abs=1e-9)
+    assert "(no kind of step timed: a link or compute given" in str(given)
+    for bad in (-0.1, -1e-9):  # a tolerance below 0 is named as such, not as "too strict"
+        with pytest.raises(ValueError, match=rf"plan: tolerance is nats per byte.*got {bad}"):
+            plan(loss, params, batch, mesh_2x4(), optax.sgd(0.1), num_steps=30,
+                 tolerance=bad, link=SLOW_LINK, compute_s=0.01)  # fmt: skip
+        with pytest.raises(ValueError, match=rf"Plan.choose: tolerance is nats.*got {bad}"):
+            given.choose(bad)
 
 
 def test_what_the_independent_probe_broke_is_refused_with_the_fix():
@@ -312,8 +325,9 @@ def test_what_the_independent_probe_broke_is_refused_with_the_fix():
     unmeasured = lsgd_jax.planner.Candidate("mine", CANDIDATES[0].make, None, "mine")
     with pytest.raises(ValueError, match="a risk of None is never chosen"):
         call(candidates=[unmeasured], tolerance=1.0)
-    with pytest.raises(ValueError, match="raise the tolerance to at least 0.0"):
-        call(tolerance=-0.5)
+    risky = CANDIDATES[-1]  # the user's candidates alone: DDP (risk 0) is only the reference
+    with pytest.raises(ValueError, match=f"raise the tolerance to at least {risky.risk}"):
+        call(candidates=[risky], tolerance=risky.risk / 2)
     with pytest.raises(ValueError, match="params must be one replica's"):
         call(params=lsgd_jax.replicate(params, mesh))
     with pytest.raises(TypeError, match=r"MultiSteps pass its .gradient_transformation\(\)"):
@@ -400,7 +414,7 @@ def test_what_the_probe_of_the_ranking_broke_is_fixed():
     # choose(t) answers at t; its error is its own
     strict = found.choose(0.01)
     assert strict.target_s == pytest.approx(strict.to_within(0.01)) != found.chosen.target_s
-    with pytest.raises(ValueError, match="^Plan.choose: no candidate is within"):
+    with pytest.raises(ValueError, match="^Plan.choose: tolerance is nats per byte"):
         found.choose(-1)
     for bad, error in ((float("nan"), ValueError), (True, TypeError), ("0.1", TypeError)):
         with pytest.raises(error, match="tolerance"):
