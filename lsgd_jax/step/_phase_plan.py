@@ -93,7 +93,10 @@ class PhasePlan:
             its schedule cannot continue past it (``_phase.replay_phases``'s message, the
             one the device raises there), before anything runs.
         """
-        fixed = self.fixed_mode(opt_state)
+        if self._snapshot is not None and opt_state is self._returned:
+            fixed = None  # the plan goes on: its structure was keyed when it started
+        else:
+            fixed = self.fixed_mode(opt_state)
         if fixed is not None:
             return fixed
         if self._snapshot is None or opt_state is not self._returned:
