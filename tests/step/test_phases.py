@@ -118,15 +118,22 @@ def test_one_program_per_phase_compiled_when_the_phase_first_occurs():
     assert lsgd_jax.replay_phases(tx.init({}), 5).tolist() == [2, 2, 2, 1, 0]
 
 
-def test_a_state_the_step_did_not_return_is_read_again():
+def run_from_the_start(tx, num_steps):
+    """A step that keeps its inputs, run ``num_steps`` calls from the first state, each
+    fed the state the last returned; ``(step, first params, first state)``."""
     mesh = mesh_2x4()
-    tx = make_tx()
     step = lsgd_jax.data_parallel_step(loss_fn, tx, mesh, donate=False)
     p0 = lsgd_jax.replicate(init_params(), mesh)
     s0 = lsgd_jax.replicate(tx.init(init_params()), mesh)
     p, s = p0, s0
-    for b in batches(4):
+    for b in batches(num_steps):
         p, s, _ = step(p, s, b)
+    return step, p0, s0
+
+
+def test_a_state_the_step_did_not_return_is_read_again():
+    mesh, tx = mesh_2x4(), make_tx()
+    step, p0, s0 = run_from_the_start(tx, 4)
     again, _, _ = step(p0, s0, batches(1)[0])  # back to step 0: phase 2 again, not 0
     first, _, _ = lsgd_jax.data_parallel_step(loss_fn, tx, mesh, donate=False)(
         p0, s0, batches(1)[0]
@@ -145,14 +152,8 @@ def test_a_plan_that_goes_on_keys_the_state_structure_once(monkeypatch):
     monkeypatch.setattr(
         PhasePlan, "fixed_mode", lambda self, state: keyed.append(1) or fixed_mode(self, state)
     )
-    mesh = mesh_2x4()
-    tx = make_tx()
-    step = lsgd_jax.data_parallel_step(loss_fn, tx, mesh, donate=False)
-    p0 = lsgd_jax.replicate(init_params(), mesh)
-    s0 = lsgd_jax.replicate(tx.init(init_params()), mesh)
-    p, s = p0, s0
-    for b in batches(8):  # the warm-up, the switch, local steps and averages
-        p, s, _ = step(p, s, b)
+    # the warm-up, the switch, local steps and averages
+    step, p0, s0 = run_from_the_start(make_tx(), 8)
     assert len(keyed) == 1
     step(p0, s0, batches(1)[0])
     assert len(keyed) == 2
